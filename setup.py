@@ -1,0 +1,34 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="gspo-megatron",
+    version="0.1.0",
+    description="GSPO reinforcement learning for Mixture-of-Experts LLMs on Megatron-Core",
+    python_requires=">=3.11",
+    packages=find_packages(include=["gspo_megatron", "gspo_megatron.*"]),
+    include_package_data=True,
+    package_data={"gspo_megatron": ["assets/*", "assets/**/*"]},
+    install_requires=[
+        # GPU users install their CUDA build of torch first; pip keeps it when it satisfies this pin's range.
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "transformers>=5.0,<6",
+        "safetensors>=0.4",
+        "psutil",
+        "numpy",
+        "pyyaml",
+        "rich",
+        "tqdm",
+        "matplotlib",
+        "math-verify>=0.7",
+        "pyarrow",
+        "tensorboard",
+    ],
+    extras_require={
+        # apex is built from source (see docs/installation.md); it is not on PyPI.
+        "gpu": ["transformer-engine[pytorch]", "sglang"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis"],
+        "wandb": ["wandb"],
+    },
+    entry_points={"console_scripts": ["gspo-megatron=gspo_megatron.cli:main"]},
+)
