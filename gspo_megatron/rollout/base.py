@@ -1,0 +1,83 @@
+"""The one interface every rollout engine implements (transformers on CPU, SGLang on GPU).
+
+The trainer only talks to ``RolloutEngine``; engines differ in where the model lives and how weights
+reach it, never in what ``generate`` returns.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Iterable, Literal, Sequence
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Sampling settings for one ``generate`` call.
+
+    ``top_k = 0`` and ``top_p = 1.0`` disable those filters. ``stop_token_ids`` end a response when sampled
+    (the stop token is kept in the response). ``seed`` makes a call reproducible.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    seed: int | None = None
+    return_routed_experts: bool = False
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sampled response.
+
+    response_ids: [T] token ids of the response only (no prompt).
+    logprobs: [T] float32 log-probabilities of those tokens under the engine's policy (see each engine's
+        docs for whether they are taken before or after temperature scaling).
+    finish_reason: why generation stopped.
+    routed_experts: optional [T, num_moe_layers, top_k] int tensor of the experts each response token was
+        routed to (for Routing Replay "R3"); None when not asked for or not an MoE model.
+    """
+
+    prompt_index: int
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    routed_experts: torch.Tensor | None = None
+
+
+class RolloutEngine(abc.ABC):
+    """Generates groups of responses and takes weight updates from the trainer."""
+
+    weight_version: int = 0
+
+    @abc.abstractmethod
+    def generate(
+        self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, params: SamplingParams
+    ) -> list[Sample]:
+        """Sample ``samples_per_prompt`` responses for each prompt.
+
+        Returns ``len(prompts) * samples_per_prompt`` samples, grouped by prompt in prompt order
+        (samples ``i*G .. i*G+G-1`` belong to prompt ``i``) so groups are contiguous for the advantages.
+        """
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, final: bool) -> None:
+        """Load one bucket of HF-named tensors. ``final=True`` on the last bucket of a sync bumps
+        ``weight_version`` (and, for servers, flushes the prefix cache)."""
+
+    def release_memory(self) -> None:
+        """Free accelerator memory held by the engine (colocated mode, before training)."""
+
+    def resume_memory(self) -> None:
+        """Take back the memory released by ``release_memory`` (before the next rollout)."""
+
+    def healthy(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        """Stop servers and free resources; safe to call twice."""

@@ -1,0 +1,127 @@
+"""Typed, nested configuration built from plain mappings (YAML), with errors that name the field.
+
+Every config section in gspo-megatron is a frozen-free ``@dataclass`` whose fields carry type
+annotations. ``build(cls, mapping, path)`` turns a mapping into that dataclass, recursing into nested
+dataclass fields, checking types, rejecting unknown keys, and then calling the section's own
+``validate()`` (if it defines one) so value constraints live beside the fields they constrain.
+
+Errors are ``ConfigError("rollout.samples_per_prompt: must be >= 1, got 0")``: the dotted path of the
+offending field first, so a user can find it in their YAML.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Literal, Mapping, TypeVar, Union, get_args, get_origin, get_type_hints
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range."""
+
+
+def fail(path: str, message: str) -> None:
+    raise ConfigError(f"{path}: {message}")
+
+
+def check(condition: bool, path: str, message: str) -> None:
+    """Raise ``ConfigError`` naming ``path`` when ``condition`` is false (used in ``validate()``)."""
+    if not condition:
+        fail(path, message)
+
+
+def _coerce(value: Any, annotation: Any, path: str) -> Any:
+    origin = get_origin(annotation)
+    if annotation is Any:
+        return value
+    if dataclasses.is_dataclass(annotation):
+        if isinstance(value, annotation):
+            return value
+        if not isinstance(value, Mapping):
+            fail(path, f"expected a mapping for section {annotation.__name__}, got {type(value).__name__}")
+        return build(annotation, value, path)
+    if origin is Literal:
+        allowed = get_args(annotation)
+        if value not in allowed:
+            fail(path, f"must be one of {list(allowed)}, got {value!r}")
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(annotation)
+        if value is None:
+            if type(None) in args:
+                return None
+            fail(path, "may not be null")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as err:  # try the next member of the union; all failures are reported
+                errors.append(str(err))
+        fail(path, "; ".join(errors))
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            fail(path, f"expected a list, got {type(value).__name__}")
+        (item_type, *rest) = get_args(annotation) or (Any,)
+        items = [_coerce(v, item_type, f"{path}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            fail(path, f"expected a mapping, got {type(value).__name__}")
+        _, value_type = get_args(annotation) or (Any, Any)
+        return {str(k): _coerce(v, value_type, f"{path}.{k}") for k, v in value.items()}
+    if annotation is bool:
+        if not isinstance(value, bool):
+            fail(path, f"expected true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail(path, f"expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail(path, f"expected a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            fail(path, f"expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{path}: unsupported annotation {annotation!r} in a config dataclass")
+
+
+def build(cls: type[T], mapping: Mapping[str, Any] | None, path: str = "") -> T:
+    """Build dataclass ``cls`` from ``mapping``; unknown keys and bad types raise ``ConfigError``."""
+    mapping = dict(mapping or {})
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(mapping) - names)
+    prefix = f"{path}." if path else ""
+    if unknown:
+        fail(f"{prefix}{unknown[0]}", f"unknown field (known fields: {sorted(names)})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in mapping:
+            kwargs[f.name] = _coerce(mapping[f.name], hints[f.name], f"{prefix}{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            fail(f"{prefix}{f.name}", "required field is missing")
+    obj = cls(**kwargs)
+    validate = getattr(cls, "validate", None)  # an optional hook a section may define
+    if validate is not None:
+        obj.validate(path or cls.__name__)
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """The plain-data form of a config (for saving the resolved config next to a run)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+__all__ = ["ConfigError", "build", "check", "fail", "to_dict"]
