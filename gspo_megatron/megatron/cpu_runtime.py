@@ -1,0 +1,224 @@
+"""Run megatron-core 0.16.1 on a CPU-only PyTorch build, over gloo.
+
+Megatron-Core assumes CUDA in a handful of places. On a machine without CUDA, ``activate()`` applies the
+smallest set of patches that lets the *real* parallel code (tensor, sequence, pipeline, expert and data
+parallelism, DDP, the optimizer, dist_checkpointing) run on CPU tensors. Each patch below says what breaks
+and why the substitute is faithful. On a GPU ``activate()`` does nothing, and the Transformer Engine spec,
+the alltoall dispatcher and fused kernels are used instead (see ``megatron/model.py``).
+
+The patches were written against one megatron-core version; on any other version ``activate()`` refuses
+with a clear error rather than patching code it has not been checked against.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from typing import Any
+
+import torch
+
+SUPPORTED_MEGATRON_CORE = ("0.16.1",)
+
+# Modules that build tensors with a literal ``device="cuda"`` (or call ``.cuda()``) on the code paths we
+# use, with the reason each one is on the path.
+_LITERAL_CUDA_MODULES = {
+    # token counter in forward_backward_no_pipelining / pipelining schedules
+    "megatron.core.pipeline_parallel.schedules": "total_num_tokens counter",
+    # found_inf / overflow buffers of every MegatronOptimizer
+    "megatron.core.optimizer.optimizer": "found_inf, _dummy_overflow_buf, _scale_one",
+    # grad-norm and zero-count buffers
+    "megatron.core.optimizer.clip_grads": "total_norm and overflow buffers",
+    # loss scaler tensors (only with fp16/bf16 loss scaling)
+    "megatron.core.optimizer.grad_scaler": "scale tensors",
+    # default causal mask when no attention mask is passed
+    "megatron.core.transformer.utils": "get_default_causal_mask",
+    # MoE aux-loss / load-balancing tracker
+    "megatron.core.transformer.moe.moe_utils": "aux loss tracker",
+    # DDP warm-up tensor for the grad buffers
+    "megatron.core.distributed.param_and_grad_buffer": "warm-up tensor",
+    # rerun state machine validation counters
+    "megatron.core.rerun_state_machine": "validation counters",
+    # dist_checkpointing: result verification and shard exchange
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "reuse verification",
+    "megatron.core.dist_checkpointing.exchange_utils": "shard exchange buffers",
+    # broadcast_data of batches across TP ranks
+    "megatron.core.tensor_parallel.data": "broadcast sizes buffer",
+}
+
+_FACTORY_FUNCTIONS = ("zeros", "ones", "empty", "full", "tensor", "arange", "empty_like", "zeros_like")
+
+_state: dict[str, Any] = {"active": False}
+
+
+def _to_cpu_device(device: Any) -> Any:
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if str(device).startswith("cuda"):
+        return torch.device("cpu")
+    return device
+
+
+class _CpuTorch(types.ModuleType):
+    """A view of the ``torch`` module whose tensor factories map ``device='cuda'`` to the CPU.
+
+    Installed as the module-global ``torch`` name of the modules in ``_LITERAL_CUDA_MODULES`` only, so
+    no other code (and no hot path) pays for the redirection.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(torch, name)
+        if name in _FACTORY_FUNCTIONS:
+            def factory(*args, __fn=attr, **kwargs):
+                if "device" in kwargs:
+                    kwargs["device"] = _to_cpu_device(kwargs["device"])
+                return __fn(*args, **kwargs)
+
+            return factory
+        return attr
+
+
+class CpuRNGStatesTracker:
+    """Megatron's named RNG-state tracker, holding CPU generator states instead of CUDA ones.
+
+    Megatron forks named states (data-parallel, model-parallel, expert-parallel) around dropout and
+    weight initialisation so that, e.g., TP ranks draw different dropout masks. The semantics are kept:
+    ``fork(name)`` swaps the process's default CPU generator to the named state and back.
+    Built as a subclass of Megatron's tracker in ``activate()`` so isinstance checks keep working.
+    """
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise ValueError(f"RNG seed {seed} already tracked")
+        if name in self.states_:
+            raise ValueError(f"RNG state {name!r} already tracked")
+        self.seeds_.add(seed)
+        generator = torch.Generator().manual_seed(seed)
+        self.states_[name] = generator.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise KeyError(f"RNG state {name!r} is not tracked")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` with Megatron's constructor, usable under sequence parallelism.
+
+    Megatron's ``WrappedTorchNorm`` (used when neither apex nor Transformer Engine is installed) refuses
+    ``sequence_parallel=True``, yet MoE with TP > 1 requires sequence parallelism. Under SP each TP rank
+    normalises a different slice of the sequence with a replicated weight, so the weight's gradient must
+    be summed over the TP group: marking it ``sequence_parallel`` makes ``finalize_model_grads`` do exactly
+    that (the same contract the TE and apex norms follow).
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelRMSNorm needs normalization='RMSNorm', got {config.normalization!r}")
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _check_version() -> str:
+    from megatron.core import package_info
+
+    version = package_info.__version__
+    if version not in SUPPORTED_MEGATRON_CORE:
+        raise RuntimeError(
+            f"gspo_megatron's CPU runtime was checked against megatron-core {SUPPORTED_MEGATRON_CORE}, "
+            f"found {version}. Install megatron-core==0.16.1 (pip install megatron-core==0.16.1) to run on CPU; "
+            "on a GPU machine the runtime is not needed."
+        )
+    return version
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def activate() -> bool:
+    """Apply the CPU patches once per process when CUDA is absent. Returns True if they are active."""
+    if cuda_available():
+        return False
+    if _state["active"]:
+        return True
+    _check_version()
+
+    # 1. torch.cuda.current_device() is used as a device argument (RoPE inv_freq, p2p shape buffers, DDP
+    #    grad buffers). A CPU build raises "Torch not compiled with CUDA enabled"; return the CPU device.
+    #    Nothing on a CPU build can depend on the original, since it always raises there.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    # 2. torch.cuda.synchronize() is called for timing/ordering around communication; CPU work is
+    #    already synchronous.
+    torch.cuda.synchronize = lambda device=None: None
+    # 3. Tensor.cuda() moves optimizer state, checkpoint shards and tied embeddings "to the GPU"; on CPU
+    #    the tensor is already where it must be.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+    # 4. Literal device="cuda" factory calls: see _LITERAL_CUDA_MODULES.
+    proxy = _CpuTorch()
+    for module_name in _LITERAL_CUDA_MODULES:
+        module = importlib.import_module(module_name)
+        if module.__dict__.get("torch") is not torch:
+            raise RuntimeError(f"{module_name} no longer imports torch as a module global; recheck the CPU runtime")
+        module.torch = proxy
+
+    # 5. RNG tracker: CUDA generator states -> CPU generator states.
+    from megatron.core.tensor_parallel import random as mc_random
+
+    tracker_cls = type("CpuRNGStatesTracker", (CpuRNGStatesTracker, mc_random.CudaRNGStatesTracker), {})
+    mc_random.CudaRNGStatesTracker = tracker_cls
+    mc_random.initialize_rng_tracker(force_reset=True)
+
+    # 6. moe_utils refers to te_general_gemm, which is only defined when Transformer Engine imports.
+    #    Its own code falls back to torch when the name is None.
+    from megatron.core.transformer.moe import moe_utils
+
+    if "te_general_gemm" not in moe_utils.__dict__:
+        moe_utils.te_general_gemm = None
+
+    # 7. The optimizers check param.type() == 'torch.cuda.FloatTensor' to find fp32 params to keep as
+    #    main params; CPU params report 'torch.FloatTensor'. Report the CUDA type names for CPU floats so
+    #    the same branches are taken (they only select which params get fp32 master copies).
+    _cpu_to_cuda_type = {
+        "torch.FloatTensor": "torch.cuda.FloatTensor",
+        "torch.HalfTensor": "torch.cuda.HalfTensor",
+        "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    }
+    for module_name in ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.distrib_optimizer"):
+        importlib.import_module(module_name)
+    original_type = torch.Tensor.type
+
+    def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None:
+            name = original_type(self)
+            return _cpu_to_cuda_type.get(name, name)
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = tensor_type
+
+    _state["active"] = True
+    return True
+
+
+def is_active() -> bool:
+    return _state["active"]
+
+
+def local_norm_class() -> type:
+    """The norm module to use in the local (non-TE) layer spec on CPU."""
+    return SequenceParallelRMSNorm

@@ -1,0 +1,145 @@
+"""Build Megatron-Core GPTModels from a ``ModelConfig``: the local spec on CPU, Transformer Engine on GPU."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from gspo_megatron.megatron import cpu_runtime
+from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.megatron.parallel import ParallelConfig
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32):
+    """Megatron's TransformerConfig for ``model`` under ``parallel``.
+
+    Dropout is off (RL fine-tuning; and it must be off for log-prob recomputation to match rollouts).
+    The router: Qwen3-MoE/Mixtral take a softmax over all experts, then the top-k; with
+    ``norm_topk_prob`` the k probabilities are renormalised, which equals a softmax over the top-k logits
+    (Megatron's ``moe_router_pre_softmax=False``); without it the raw probabilities are kept
+    (``pre_softmax=True``).
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    moe = {}
+    if model.is_moe:
+        moe = dict(
+            num_moe_experts=model.num_experts,
+            moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+            moe_router_topk=model.moe_router_topk,
+            moe_router_pre_softmax=not model.norm_topk_prob,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+            # alltoall creates a CUDA stream in its constructor; allgather is exact and fine at small scale.
+            moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+            moe_grouped_gemm=on_gpu,
+            moe_router_dtype="fp32",
+        )
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_key_value_heads,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=model.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        expert_model_parallel_size=parallel.expert_parallel,
+        context_parallel_size=parallel.context_parallel,
+        sequence_parallel=parallel.use_sequence_parallel,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=not on_gpu,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=on_gpu,
+        persist_layer_norm=False,
+        **moe,
+    )
+
+
+def _replace_in_spec(spec, old: type, new: type):
+    """Swap every reference to module class ``old`` inside a ModuleSpec tree for ``new`` (in place)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec):
+        if spec.module is old:
+            spec.module = new
+        _replace_in_spec(spec.submodules, old, new)
+        return spec
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for field in dataclasses.fields(spec):
+            value = getattr(spec, field.name)
+            if value is old:
+                setattr(spec, field.name, new)
+            else:
+                _replace_in_spec(value, old, new)
+    return spec
+
+
+def layer_spec(model: ModelConfig, config):
+    """The decoder spec: Transformer Engine modules on GPU; on CPU Megatron's local modules with a
+    sequence-parallel-capable RMSNorm in every norm slot, including the final one (given as a
+    TransformerBlockSubmodules, since the block otherwise picks its final norm from a module global)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    experts = model.num_experts if model.is_moe else None
+    if torch.cuda.is_available():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=model.is_moe, qk_layernorm=model.qk_layernorm)
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    norm = cpu_runtime.local_norm_class()
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
+    spec = _replace_in_spec(spec, WrappedTorchNorm, norm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm)
+
+
+def build_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32,
+                max_sequence_length: int | None = None):
+    """One GPTModel for this rank's pipeline stage (Megatron parallel state must be initialised).
+
+    Returns the bare GPTModel; wrap it with Megatron DDP for training (``megatron/train.py``).
+    Logits come out vocab-parallel ([s, b, padded_vocab / TP]) so log-probs never gather the vocabulary.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    cpu_runtime.activate()
+    config = transformer_config(model, parallel, params_dtype)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(model, config),
+        vocab_size=model.padded_vocab_size(parallel.tensor_parallel),
+        max_sequence_length=max_sequence_length or model.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(model.rope_theta),
+        rope_scaling=model.rope_llama3_factor > 0,
+        rope_scaling_factor=model.rope_llama3_factor or 8.0,
+    )
+    if torch.cuda.is_available():
+        gpt = gpt.cuda()
+    return gpt
