@@ -155,8 +155,19 @@ stop_daemon() {
     rm -f "$pidfile"
 }
 
+# slurmd leaves running steps alive when it stops (by design, to survive restarts), so jobs are cancelled
+# first and given KillWait (+ a margin) to end; otherwise their processes would outlive the cluster.
+cancel_jobs() {
+    live_pid "$CTLD_PID" slurmctld >/dev/null || return 0
+    SLURM_CONF=$CONF scancel --user="$(id -un)" 2>/dev/null || true
+    local deadline=$((SECONDS + STOP_TIMEOUT_S))
+    while [ "$SECONDS" -lt "$deadline" ] && [ -n "$(SLURM_CONF=$CONF squeue -h -t RUNNING,COMPLETING,PENDING,CONFIGURING -o %i 2>/dev/null)" ]; do
+        sleep 0.2
+    done
+}
+
 cmd_stop() {
-    # slurmd first: it kills the job steps it runs (their slurmstepd and tasks) on SIGTERM.
+    cancel_jobs
     stop_daemon "$SLURMD_PID" slurmd
     stop_daemon "$CTLD_PID" slurmctld
 }
@@ -181,8 +192,9 @@ cmd_start() {
     done
     write_conf
     # -c: start with empty job state, so jobs of an earlier run are not resurrected.
-    slurmctld -c -f "$CONF" || { show_logs; die "slurmctld did not start"; }
-    slurmd -f "$CONF" -N "$NODE" || { show_logs; die "slurmd did not start"; }
+    # 9>&-: the daemons must not inherit the lock, or it would be held for as long as they run.
+    slurmctld -c -f "$CONF" 9>&- || { show_logs; die "slurmctld did not start"; }
+    slurmd -f "$CONF" -N "$NODE" 9>&- || { show_logs; die "slurmd did not start"; }
     local deadline=$((SECONDS + START_TIMEOUT_S)) state=""
     while [ "$SECONDS" -lt "$deadline" ]; do
         state=$(node_state)

@@ -1,0 +1,177 @@
+"""Map a Megatron GPTModel's local (sharded) parameters to and from *canonical* full tensors.
+
+Canonical names are the model's own parameter names as a single process (TP=PP=EP=1) would have them:
+global layer numbers and global expert numbers, full (unsharded) shapes, unpadded vocabulary rows. The
+conversion tables translate canonical names to Hugging Face names; this module is the other half, the
+layout algebra, written once:
+
+* TP: a parameter marked ``tensor_model_parallel`` is split along its ``partition_dim`` over the TP group
+  (the expert-TP group for expert weights). SwiGLU's fused ``linear_fc1`` = [gate; up] is split per
+  half, each rank holding [gate_r; up_r].
+* EP: ``local_experts.e`` on EP rank r is global expert ``r * num_local_experts + e``.
+* PP: ``decoder.layers.i`` on a stage is global layer ``layer_number - 1`` of that module.
+* Vocabulary: embedding and output rows are padded to a multiple of TP; canonical tensors are not.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    """How one local parameter relates to its canonical tensor."""
+
+    local_name: str
+    canonical_name: str
+    split: str  # "replicated" | "dim0" | "dim1" | "glu"
+    is_expert: bool
+    tp_rank: int
+    tp_size: int
+
+
+def _groups(is_expert: bool):
+    from megatron.core import parallel_state as ps
+
+    if is_expert:
+        return ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_rank(), \
+            ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(), \
+        ps.get_tensor_model_parallel_world_size()
+
+
+def canonical_name(local_name: str, model: torch.nn.Module) -> str:
+    """Local parameter name -> canonical name (global layer and expert numbers)."""
+    from megatron.core import parallel_state as ps
+
+    name = local_name
+    match = _LAYER.match(name)
+    if match:
+        layer = model.decoder.layers[int(match.group(1))]
+        name = f"decoder.layers.{layer.layer_number - 1}." + name[match.end():]
+    match = _EXPERT.search(name)
+    if match:
+        experts = _unwrap(model).decoder.layers[0].mlp.experts
+        global_expert = ps.get_expert_model_parallel_rank() * experts.num_local_experts + int(match.group(1))
+        name = name[:match.start()] + f".mlp.experts.local_experts.{global_expert}." + name[match.end():]
+    return name
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def shard_infos(model: torch.nn.Module) -> Iterator[tuple[ShardInfo, torch.nn.Parameter]]:
+    """(ShardInfo, parameter) for every parameter of this rank's model chunk."""
+    gpt = _unwrap(model)
+    gated = gpt.config.gated_linear_unit
+    for local_name, param in gpt.named_parameters():
+        is_expert = ".mlp.experts." in local_name
+        _, tp_rank, tp_size = _groups(is_expert)
+        if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
+            split = "replicated"
+        elif gated and local_name.endswith("linear_fc1.weight"):
+            split = "glu"
+        else:
+            split = f"dim{param.partition_dim}"
+        yield ShardInfo(local_name, canonical_name(local_name, gpt), split, is_expert, tp_rank, tp_size), param
+
+
+def shard(full: torch.Tensor, info: ShardInfo, local_rows: int | None = None) -> torch.Tensor:
+    """This rank's slice of canonical tensor ``full`` (padding vocabulary rows to ``local_rows * TP``)."""
+    if info.canonical_name in _VOCAB_PARAMS and local_rows is not None:
+        padded = local_rows * info.tp_size
+        if full.shape[0] < padded:
+            full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
+    if info.split == "replicated":
+        return full
+    if info.split == "glu":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(info.tp_size, 0)[info.tp_rank], up.chunk(info.tp_size, 0)[info.tp_rank]])
+    dim = int(info.split[-1])
+    return full.chunk(info.tp_size, dim=dim)[info.tp_rank]
+
+
+def unshard(local: torch.Tensor, info: ShardInfo, vocab_size: int | None = None) -> torch.Tensor:
+    """Gather ``local`` over its TP group into the canonical tensor (collective over that group)."""
+    if info.split == "replicated":
+        full = local
+    else:
+        group, _, size = _groups(info.is_expert)
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        if info.split == "glu":
+            halves = [p.chunk(2, dim=0) for p in parts]
+            full = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        else:
+            full = torch.cat(parts, dim=int(info.split[-1]))
+    if info.canonical_name in _VOCAB_PARAMS and vocab_size is not None:
+        full = full[:vocab_size]
+    return full
+
+
+def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
+    grad = getattr(param, "main_grad", None)  # Megatron DDP accumulates into main_grad
+    if grad is None:
+        grad = param.grad
+    if grad is None:
+        return torch.zeros_like(param)
+    return grad
+
+
+def full_state_dict(model: torch.nn.Module, vocab_size: int, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every canonical tensor (or its gradient), assembled on every rank. For tests and small models:
+    the whole model passes through each rank's memory. Bounded-memory export lives in ``conversion``."""
+    from megatron.core import parallel_state as ps
+
+    dense: dict[str, torch.Tensor] = {}
+    experts: dict[str, torch.Tensor] = {}
+    tied = _unwrap(model).share_embeddings_and_output_weights
+    for info, param in shard_infos(model):
+        if tied and info.canonical_name == "output_layer.weight":
+            continue  # the last stage's copy of the tied embedding (kept in sync by Megatron)
+        tensor = _grad_of(param) if grads else param.detach()
+        full = unshard(tensor.detach(), info, vocab_size).clone()
+        (experts if info.is_expert else dense)[info.canonical_name] = full
+    if ps.get_expert_model_parallel_world_size() > 1:
+        gathered = [None] * ps.get_expert_model_parallel_world_size()
+        dist.all_gather_object(gathered, experts, group=ps.get_expert_model_parallel_group())
+        experts = {k: v for part in gathered for k, v in part.items()}
+    dense.update(experts)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        gathered = [None] * ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(gathered, dense, group=ps.get_pipeline_model_parallel_group())
+        merged: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            for key, value in part.items():
+                # tied embeddings live on the first and last stage; both copies are identical
+                merged.setdefault(key, value)
+        dense = merged
+    return dense
+
+
+@torch.no_grad()
+def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's slices of canonical tensors ``full`` into the model's parameters."""
+    tied = _unwrap(model).share_embeddings_and_output_weights
+    for info, param in shard_infos(model):
+        if tied and info.canonical_name == "output_layer.weight":
+            info = dataclasses.replace(info, canonical_name="embedding.word_embeddings.weight")
+        if info.canonical_name not in full:
+            raise KeyError(f"load_full_state_dict: missing canonical tensor {info.canonical_name!r} "
+                           f"(local parameter {info.local_name})")
+        local = shard(full[info.canonical_name], info, local_rows=param.shape[0])
+        if local.shape != param.shape:
+            raise ValueError(f"load_full_state_dict: {info.canonical_name}: slice shape {tuple(local.shape)} "
+                             f"!= parameter shape {tuple(param.shape)}")
+        param.copy_(local)

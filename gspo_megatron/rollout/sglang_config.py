@@ -1,0 +1,144 @@
+"""Configuration of the SGLang rollout engine (the ``rollout.sglang`` section).
+
+Two ways to get servers: ``urls`` attaches to servers someone else started (one per node or DP
+replica); ``launch`` starts ``python -m sglang.launch_server`` processes on this node and owns them
+(restarts them when they die, stops them on shutdown). Exactly one of the two is set.
+
+Flag names and defaults follow SGLang's ``docs/advanced_features/server_arguments.md`` and
+``docs/advanced_features/sglang_for_rl.md`` (read in the search index, see docs/rollout-sglang.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from gspo_megatron.typed_config import check
+
+WeightSyncMode = Literal["tensor", "distributed", "disk"]
+RouterKind = Literal["round_robin", "least_loaded"]
+
+# SGLang's memory-occupation tags (python/sglang/srt/constants.py: GPU_MEMORY_TYPE_*).
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+@dataclasses.dataclass
+class SGLangLaunchConfig:
+    """Servers this process starts on its own node: ``servers`` of them, server ``i`` on GPUs
+    ``base_gpu_id + i*tp_size*dp_size ...`` and port ``base_port + i``."""
+
+    model_path: str = ""
+    servers: int = 1
+    tp_size: int = 1
+    dp_size: int = 1
+    ep_size: int = 1
+    base_gpu_id: int = 0
+    host: str = "127.0.0.1"
+    base_port: int = 30000
+    mem_fraction_static: float = 0.8
+    dtype: str = "auto"
+    # 'dummy' starts from random weights: right when the trainer pushes weights before the first rollout.
+    load_format: str = "auto"
+    # Needed by release_memory / resume_memory (colocated mode).
+    enable_memory_saver: bool = True
+    # We send and receive token ids only; no tokenizer work in the server.
+    skip_tokenizer_init: bool = True
+    enable_return_routed_experts: bool = False
+    # SGLang honours per-request sampling seeds only with this flag.
+    enable_deterministic_inference: bool = False
+    # SGLang returns log-probs after temperature scaling by default; this env switch returns them before.
+    return_original_logprob: bool = False
+    random_seed: int | None = None
+    log_level: str = "warning"
+    extra_args: list[str] = dataclasses.field(default_factory=list)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    python: str = ""  # interpreter for the server; "" means the one running the trainer
+    log_dir: str = "sglang_logs"
+    startup_timeout_s: float = 1200.0
+    health_poll_s: float = 2.0
+
+    def gpus_per_server(self) -> int:
+        return self.tp_size * self.dp_size
+
+    def validate(self, path: str) -> None:
+        check(bool(self.model_path), f"{path}.model_path", "must name a HF model folder")
+        for name in ("servers", "tp_size", "dp_size", "ep_size"):
+            check(getattr(self, name) >= 1, f"{path}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        check(self.base_gpu_id >= 0, f"{path}.base_gpu_id", f"must be >= 0, got {self.base_gpu_id}")
+        check(0 < self.base_port < 65536 - self.servers, f"{path}.base_port", f"out of range: {self.base_port}")
+        check(0.0 < self.mem_fraction_static < 1.0, f"{path}.mem_fraction_static",
+              f"must be in (0, 1), got {self.mem_fraction_static}")
+        check(self.startup_timeout_s > 0, f"{path}.startup_timeout_s", "must be > 0")
+        check(self.health_poll_s > 0, f"{path}.health_poll_s", "must be > 0")
+
+
+@dataclasses.dataclass
+class SGLangDistributedSyncConfig:
+    """The NCCL group between trainer rank 0 (group rank 0, hosts the TCPStore) and every server GPU."""
+
+    master_address: str = ""  # an address of the trainer's node that the servers can reach
+    master_port: int = 0
+    group_name: str = "gspo_weight_sync"
+    backend: str = "nccl"
+    timeout_s: float = 600.0
+
+
+@dataclasses.dataclass
+class SGLangConfig:
+    urls: list[str] = dataclasses.field(default_factory=list)
+    launch: SGLangLaunchConfig | None = None
+    weight_sync: WeightSyncMode = "tensor"
+    bucket_bytes: int = 512 * 1024 * 1024
+    disk_dir: str = ""  # weight_sync == 'disk': shared folder the trainer writes and the servers read
+    disk_config_dir: str = ""  # where config.json comes from for disk checkpoints; "" = launch.model_path
+    distributed: SGLangDistributedSyncConfig = dataclasses.field(default_factory=SGLangDistributedSyncConfig)
+    request_timeout_s: float = 1800.0
+    admin_timeout_s: float = 600.0
+    health_timeout_s: float = 10.0
+    attach_timeout_s: float = 600.0
+    max_retries: int = 3
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+    retry_deadline_s: float = 3600.0
+    max_restarts: int = 2
+    prompts_per_request: int = 16
+    concurrent_requests_per_server: int = 8
+    router: RouterKind = "least_loaded"
+    # False: only SamplingParams.stop_token_ids end a response (SGLang's ignore_eos=true), as in the CPU
+    # engine. True: the model's own EOS ids from its generation config also stop it.
+    stop_on_model_eos: bool = False
+    # Routed experts (R3): [layers, top_k] of SGLang's capture; 0 = read config.json of the model.
+    routed_experts_layers: int = 0
+    routed_experts_top_k: int = 0
+
+    def validate(self, path: str) -> None:
+        check(bool(self.urls) != (self.launch is not None), f"{path}.urls",
+              "set exactly one of 'urls' (attach to running servers) and 'launch' (start them here)")
+        for i, url in enumerate(self.urls):
+            check(url.startswith(("http://", "https://")), f"{path}.urls[{i}]", f"must be an http(s) URL, got {url!r}")
+        check(self.bucket_bytes >= 1 << 20, f"{path}.bucket_bytes", f"must be >= 1 MiB, got {self.bucket_bytes}")
+        if self.weight_sync == "disk":
+            check(bool(self.disk_dir), f"{path}.disk_dir", "required when weight_sync is 'disk'")
+        if self.weight_sync == "distributed":
+            check(bool(self.distributed.master_address), f"{path}.distributed.master_address",
+                  "required when weight_sync is 'distributed'")
+            check(0 < self.distributed.master_port < 65536, f"{path}.distributed.master_port",
+                  f"required when weight_sync is 'distributed', got {self.distributed.master_port}")
+        if self.weight_sync == "tensor" and self.launch is not None:
+            # serialized_named_tensors has one entry per TP rank; DP replicas inside one server would need
+            # payloads from GPUs the TP index cannot name. Start one server per TP group instead.
+            check(self.launch.dp_size == 1, f"{path}.launch.dp_size",
+                  "must be 1 with weight_sync 'tensor' (start more servers instead of DP inside one)")
+        for name in ("request_timeout_s", "admin_timeout_s", "health_timeout_s", "attach_timeout_s",
+                     "backoff_max_s", "retry_deadline_s"):
+            check(getattr(self, name) > 0, f"{path}.{name}", f"must be > 0, got {getattr(self, name)}")
+        check(self.backoff_s >= 0, f"{path}.backoff_s", f"must be >= 0, got {self.backoff_s}")
+        check(self.max_retries >= 0, f"{path}.max_retries", f"must be >= 0, got {self.max_retries}")
+        check(self.max_restarts >= 0, f"{path}.max_restarts", f"must be >= 0, got {self.max_restarts}")
+        check(self.prompts_per_request >= 1, f"{path}.prompts_per_request", "must be >= 1")
+        check(self.concurrent_requests_per_server >= 1, f"{path}.concurrent_requests_per_server", "must be >= 1")
+        check(self.routed_experts_layers >= 0, f"{path}.routed_experts_layers", "must be >= 0")
+        check(self.routed_experts_top_k >= 0, f"{path}.routed_experts_top_k", "must be >= 0")
+
+
+__all__ = ["MEMORY_TAGS", "SGLangConfig", "SGLangDistributedSyncConfig", "SGLangLaunchConfig",
+           "RouterKind", "WeightSyncMode"]

@@ -1,0 +1,227 @@
+"""Trainer-side pieces of SGLang's three refit paths (docs/advanced_features/sglang_for_rl.md).
+
+- tensor (colocated): tensors stay on the trainer's GPU; the server gets CUDA IPC handles, pickled with
+  torch's ForkingPickler and base64-encoded, one payload per server TP rank ("serialized_named_tensors:
+  Per-TP serialized tensor payloads ... created with MultiprocessingSerializer.serialize", which is
+  ForkingPickler + base64 in python/sglang/srt/utils).
+- distributed (separate GPUs): the trainer is rank 0 of an NCCL group that every server GPU joins
+  (/init_weights_update_group); per bucket the server is told names/dtypes/shapes
+  (/update_weights_from_distributed) and receives one broadcast per tensor from rank 0, in order.
+- disk: the trainer writes a safetensors checkpoint; the server reads it (/update_weights_from_disk).
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+import inspect
+import io
+import json
+import os
+import shutil
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Buckets
+# ----------------------------------------------------------------------------------------------------
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
+    """Group tensors, in order, into buckets of at most ``bucket_bytes`` each.
+
+    A tensor larger than ``bucket_bytes`` travels alone. Names must be unique within a sync: a repeated
+    name would load the same parameter twice and hide a conversion bug.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    seen: set[str] = set()
+    bucket: NamedTensors = []
+    size = 0
+    for name, tensor in named_tensors:
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears twice in one weight sync")
+        seen.add(name)
+        nbytes = tensor_nbytes(tensor)
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: the server resolves dtypes with getattr(torch, name)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def bucket_metadata(bucket: NamedTensors) -> dict[str, list]:
+    return {"names": [name for name, _ in bucket],
+            "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket]}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Request bodies (field names from python/sglang/srt/managers/io_struct.py and sglang_for_rl.md)
+# ----------------------------------------------------------------------------------------------------
+
+def serialize_named_tensors(bucket: NamedTensors) -> str:
+    """A list of (name, tensor) pickled with ForkingPickler (CUDA tensors become IPC handles; nothing is
+    copied) and base64-encoded so it travels inside JSON. The server must see the same device numbering
+    as this process (launch servers with --base-gpu-id, not a different CUDA_VISIBLE_DEVICES)."""
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(list(bucket))
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def deserialize_named_tensors(payload: str) -> NamedTensors:
+    """Inverse of serialize_named_tensors, for tests on one machine (the server has its own)."""
+    return ForkingPickler.loads(base64.b64decode(payload, validate=True))
+
+
+def _version_fields(flush_cache: bool, weight_version: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"flush_cache": flush_cache}
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    return body
+
+
+def update_from_tensor_body(payloads: Sequence[str], *, flush_cache: bool, weight_version: str | None) -> dict[str, Any]:
+    """POST /update_weights_from_tensor (UpdateWeightsFromTensorReqInput)."""
+    return {"serialized_named_tensors": list(payloads), "load_format": None,
+            **_version_fields(flush_cache, weight_version)}
+
+
+def update_from_distributed_body(bucket: NamedTensors, *, group_name: str, flush_cache: bool,
+                                 weight_version: str | None) -> dict[str, Any]:
+    """POST /update_weights_from_distributed (UpdateWeightsFromDistributedReqInput)."""
+    return {**bucket_metadata(bucket), "group_name": group_name, **_version_fields(flush_cache, weight_version)}
+
+
+def update_from_disk_body(model_path: str, *, weight_version: str | None) -> dict[str, Any]:
+    """POST /update_weights_from_disk (UpdateWeightFromDiskReqInput)."""
+    body: dict[str, Any] = {"model_path": model_path}
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    return body
+
+
+def rank_offsets(gpus_per_server: Sequence[int]) -> tuple[list[int], int]:
+    """Group ranks: the trainer is rank 0, server i's TP ranks start at its offset. -> (offsets, world size)."""
+    offsets, next_rank = [], 1
+    for gpus in gpus_per_server:
+        if gpus < 1:
+            raise ValueError(f"a server has {gpus} GPUs")
+        offsets.append(next_rank)
+        next_rank += gpus
+    return offsets, next_rank
+
+
+def init_group_body(*, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                    group_name: str, backend: str) -> dict[str, Any]:
+    """POST /init_weights_update_group (InitWeightsUpdateGroupReqInput)."""
+    return {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The trainer's side of the NCCL group
+# ----------------------------------------------------------------------------------------------------
+
+class TrainerBroadcastGroup:
+    """Rank 0 of the weight-update group, created beside the trainer's own default group.
+
+    The server joins with rendezvous("tcp://address:port") + PrefixStore(group_name) +
+    _new_process_group_helper (SGLang's init_custom_process_group). We host the TCPStore (rank 0 of a tcp
+    rendezvous is the store's server) and build the group the same way, so both sides agree on the store
+    keys; torch has no public API for a second, independent world. Blocks until all ranks have joined.
+    """
+
+    def __init__(self, *, master_address: str, master_port: int, world_size: int, group_name: str,
+                 backend: str, timeout_s: float):
+        from torch.distributed import distributed_c10d as c10d
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.group_name = group_name
+        self._store = c10d.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout,
+                                    wait_for_workers=False)
+        prefix_store = c10d.PrefixStore(group_name, self._store)
+        # The options keyword was renamed between torch releases (pg_options -> backend_options).
+        options_key = "backend_options" if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters else "pg_options"
+        self.group, _ = c10d._new_process_group_helper(
+            world_size, 0, [], c10d.Backend(backend), prefix_store, group_name=group_name,
+            timeout=timeout, **{options_key: None})
+        # Registering ranks lets torch.distributed.broadcast(..., group=self.group) map src=0.
+        c10d._world.pg_group_ranks[self.group] = {i: i for i in range(world_size)}
+
+    def broadcast_bucket(self, bucket: NamedTensors) -> None:
+        """One broadcast per tensor from rank 0, in bucket order (the server receives in the same order)."""
+        for _, tensor in bucket:
+            torch.distributed.broadcast(tensor.contiguous(), src=0, group=self.group)
+
+    def destroy(self) -> None:
+        torch.distributed.destroy_process_group(self.group)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Disk checkpoints
+# ----------------------------------------------------------------------------------------------------
+
+class DiskCheckpointWriter:
+    """Writes one sync as a HF-style folder: model-<k>.safetensors shards, model.safetensors.index.json
+    and the config files of ``config_dir``; built under '<name>.tmp' and renamed when complete."""
+
+    CONFIG_FILES = ("config.json", "generation_config.json")
+
+    def __init__(self, root: Path, name: str, config_dir: Path | None):
+        self.final_path = Path(root) / name
+        self.tmp_path = Path(root) / f"{name}.tmp"
+        self.config_dir = config_dir
+        if self.tmp_path.exists():
+            shutil.rmtree(self.tmp_path)  # left by a crashed sync; never half-used
+        self.tmp_path.mkdir(parents=True)
+        self.weight_map: dict[str, str] = {}
+        self.total_bytes = 0
+        self.shards = 0
+
+    def add_bucket(self, bucket: NamedTensors) -> None:
+        from safetensors.torch import save_file
+
+        self.shards += 1
+        shard = f"model-{self.shards:05d}.safetensors"
+        tensors = {}
+        for name, tensor in bucket:
+            if name in self.weight_map:
+                raise ValueError(f"tensor {name!r} written twice in one disk sync")
+            self.weight_map[name] = shard
+            tensors[name] = tensor.detach().to("cpu").contiguous()
+            self.total_bytes += tensor_nbytes(tensor)
+        save_file(tensors, str(self.tmp_path / shard), metadata={"format": "pt"})
+
+    def finish(self) -> Path:
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(self.weight_map.items()))}
+        (self.tmp_path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        if self.config_dir is not None:
+            for fname in self.CONFIG_FILES:
+                if (self.config_dir / fname).exists():
+                    shutil.copy2(self.config_dir / fname, self.tmp_path / fname)
+        if self.final_path.exists():
+            shutil.rmtree(self.final_path)
+        os.replace(self.tmp_path, self.final_path)
+        return self.final_path
+
+
+__all__ = ["DiskCheckpointWriter", "NamedTensors", "TrainerBroadcastGroup", "bucket_metadata",
+           "bucket_named_tensors", "deserialize_named_tensors", "dtype_name", "init_group_body", "rank_offsets",
+           "serialize_named_tensors", "tensor_nbytes", "update_from_disk_body", "update_from_distributed_body",
+           "update_from_tensor_body"]
