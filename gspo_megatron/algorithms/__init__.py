@@ -1,0 +1,68 @@
+"""GSPO algorithm core in pure PyTorch: group advantages, GSPO / GSPO-token / GRPO losses, KL,
+entropy, truncated importance sampling and reducible metrics. Imports nothing from Megatron or SGLang.
+See docs/algorithms.md."""
+from gspo_megatron.algorithms.advantages import GroupAdvantages, group_advantages
+from gspo_megatron.algorithms.config import PAPER_CLIP, LossConfig
+from gspo_megatron.algorithms.kl import kl_estimate
+from gspo_megatron.algorithms.layout import (
+    LossNormalisers,
+    Segments,
+    TokenBatch,
+    count_normalisers,
+    packed_batch,
+    padded_batch,
+)
+from gspo_megatron.algorithms.losses import (
+    aggregate_token_terms,
+    clipped_objective,
+    entropy_bonus,
+    grpo_loss,
+    gspo_loss,
+    gspo_loss_from_sums,
+    gspo_token_loss,
+    kl_penalty,
+)
+from gspo_megatron.algorithms.metrics import METRICS, finalize_metrics, merge_metrics
+from gspo_megatron.algorithms.policy import policy_loss
+from gspo_megatron.algorithms.sequences import (
+    LOG_RATIO_LIMIT,
+    TOKEN_LOG_RATIO_LIMIT,
+    SequenceContext,
+    SequenceSums,
+    masked_log_ratio,
+    sequence_context,
+    sequence_sums,
+)
+
+__all__ = [
+    "GroupAdvantages",
+    "LOG_RATIO_LIMIT",
+    "LossConfig",
+    "LossNormalisers",
+    "METRICS",
+    "PAPER_CLIP",
+    "Segments",
+    "SequenceContext",
+    "SequenceSums",
+    "TOKEN_LOG_RATIO_LIMIT",
+    "TokenBatch",
+    "aggregate_token_terms",
+    "clipped_objective",
+    "count_normalisers",
+    "entropy_bonus",
+    "finalize_metrics",
+    "group_advantages",
+    "grpo_loss",
+    "gspo_loss",
+    "gspo_loss_from_sums",
+    "gspo_token_loss",
+    "kl_estimate",
+    "kl_penalty",
+    "masked_log_ratio",
+    "merge_metrics",
+    "packed_batch",
+    "padded_batch",
+    "policy_loss",
+    "sequence_context",
+    "sequence_sums",
+]

@@ -143,3 +143,16 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: torc
     if torch.cuda.is_available():
         gpt = gpt.cuda()
     return gpt
+
+
+def wrap_ddp(model, parallel: ParallelConfig):
+    """Megatron DDP around ``model``, with grads reduced in fp32 and ``finalize_model_grads`` installed
+    in the model config (it all-reduces SP norm and tied-embedding grads and scales expert grads)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=parallel.distributed_optimizer)
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    return ddp

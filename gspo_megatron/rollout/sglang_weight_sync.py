@@ -151,11 +151,16 @@ class TrainerBroadcastGroup:
                  backend: str, timeout_s: float):
         from torch.distributed import distributed_c10d as c10d
 
+        if torch.distributed.is_initialized() and c10d._get_default_group().bound_device_id is not None:
+            # torch would then build this group's communicator by splitting the default one (ncclCommSplit
+            # over the trainer's ranks), which the servers cannot join: it would hang.
+            raise RuntimeError("the trainer's default process group is bound to a device (init_process_group("
+                               "device_id=...)); create it without device_id to use weight_sync 'distributed'")
         timeout = datetime.timedelta(seconds=timeout_s)
         self.group_name = group_name
-        self._store = c10d.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout,
-                                    wait_for_workers=False)
-        prefix_store = c10d.PrefixStore(group_name, self._store)
+        self._store = torch.distributed.TCPStore(master_address, master_port, world_size, is_master=True,
+                                                 timeout=timeout, wait_for_workers=False)
+        prefix_store = torch.distributed.PrefixStore(group_name, self._store)
         # The options keyword was renamed between torch releases (pg_options -> backend_options).
         options_key = "backend_options" if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters else "pg_options"
         self.group, _ = c10d._new_process_group_helper(

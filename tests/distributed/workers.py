@@ -5,7 +5,7 @@ import torch
 
 
 from gspo_megatron.megatron import sharding
-from gspo_megatron.megatron.model import build_model
+from gspo_megatron.megatron.model import build_model, wrap_ddp
 from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
 from gspo_megatron.testing.models import canonical_weights, random_tokens
 
@@ -13,17 +13,6 @@ from gspo_megatron.testing.models import canonical_weights, random_tokens
 def causal_mask(seq_len: int) -> torch.Tensor:
     """[1, 1, s, s] bool, True where attention is masked (Megatron's convention)."""
     return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool), diagonal=1)
-
-
-def wrap_ddp(model, parallel: ParallelConfig):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=parallel.distributed_optimizer)
-    ddp = DistributedDataParallel(model.config, ddp_config, model)
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model.config.no_sync_func = ddp.no_sync
-    return ddp
 
 
 def logits_and_grads(model_config, parallel: ParallelConfig, batch: int = 4, seq_len: int = 12,

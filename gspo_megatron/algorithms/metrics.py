@@ -1,0 +1,110 @@
+"""Loss metrics that reduce exactly across micro-batches and ranks.
+
+A loss returns *raw* metrics: 0-d detached float32 tensors that are sums, minima or maxima, never means,
+so they combine exactly: ``merge_metrics`` adds the sums and takes min / max over micro-batches; across
+ranks the caller all-reduces each key with the op in ``METRICS[key].op`` (SUM, MIN or MAX). Only then
+does ``finalize_metrics`` divide each sum by its count (``tokens`` or ``seqs``) to give the means to log.
+
+Counts: ``tokens`` = response tokens; ``seqs`` = sequences, each weighted by its share of tokens on this
+rank (so a sequence split over CP ranks adds up to 1). Loss keys are already divided by the global
+normalisers, so their SUM over micro-batches and ranks is the mini-batch loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """op: how raw values combine; per: the count a sum is divided by (None: logged as it is);
+    name: the key of the finalised value; meaning: one line for the docs."""
+
+    op: Literal["sum", "min", "max"]
+    per: Literal["tokens", "seqs"] | None
+    name: str
+    meaning: str
+
+
+METRICS: dict[str, MetricSpec] = {
+    "tokens": MetricSpec("sum", None, "tokens", "response tokens"),
+    "seqs": MetricSpec("sum", None, "seqs", "sequences with response tokens"),
+    "loss": MetricSpec("sum", None, "loss", "total loss (policy + kl_coef * kl - entropy_coef * entropy)"),
+    "pg_loss": MetricSpec("sum", None, "pg_loss", "policy-gradient (clipped surrogate) loss"),
+    "kl_loss": MetricSpec("sum", None, "kl_loss", "KL term before its coefficient, aggregated like the policy loss"),
+    "entropy_loss": MetricSpec("sum", None, "entropy_loss", "entropy term before its coefficient, aggregated like the policy loss"),
+    "clip_low_tokens": MetricSpec("sum", "tokens", "clip_frac_low_token", "fraction of tokens whose term is clipped below (ratio < 1 - clip_low, A < 0)"),
+    "clip_high_tokens": MetricSpec("sum", "tokens", "clip_frac_high_token", "fraction of tokens whose term is clipped above (ratio > 1 + clip_high, A > 0)"),
+    "clip_low_seqs": MetricSpec("sum", "seqs", "clip_frac_low_seq", "mean over sequences of the fraction of their tokens clipped below"),
+    "clip_high_seqs": MetricSpec("sum", "seqs", "clip_frac_high_seq", "mean over sequences of the fraction of their tokens clipped above"),
+    "seq_ratio_sum": MetricSpec("sum", "seqs", "seq_ratio_mean", "mean of the sequence ratio s_i (Eq. 7)"),
+    "seq_ratio_min": MetricSpec("min", "seqs", "seq_ratio_min", "minimum s_i"),
+    "seq_ratio_max": MetricSpec("max", "seqs", "seq_ratio_max", "maximum s_i"),
+    "token_ratio_sum": MetricSpec("sum", "tokens", "token_ratio_mean", "mean per-token ratio pi_theta / pi_old"),
+    "token_ratio_min": MetricSpec("min", "tokens", "token_ratio_min", "minimum per-token ratio"),
+    "token_ratio_max": MetricSpec("max", "tokens", "token_ratio_max", "maximum per-token ratio"),
+    "abs_log_ratio_sum": MetricSpec("sum", "tokens", "abs_log_ratio_mean", "mean |log pi_theta - log pi_old| per token"),
+    "adv_sum": MetricSpec("sum", "tokens", "adv_mean", "token-weighted mean advantage"),
+    "adv_sq_sum": MetricSpec("sum", "tokens", "adv_sq_mean", "token-weighted mean squared advantage (adv_std is derived)"),
+    "adv_min": MetricSpec("min", "tokens", "adv_min", "minimum advantage"),
+    "adv_max": MetricSpec("max", "tokens", "adv_max", "maximum advantage"),
+    "zero_adv_seqs": MetricSpec("sum", "seqs", "zero_adv_seq_frac", "fraction of sequences whose advantage is 0 everywhere"),
+    "kl_sum": MetricSpec("sum", "tokens", "kl_mean", "mean per-token KL(pi_theta || pi_ref) estimate"),
+    "entropy_sum": MetricSpec("sum", "tokens", "entropy_mean", "mean per-token entropy"),
+    "rollout_abs_log_ratio_sum": MetricSpec("sum", "tokens", "rollout_abs_log_ratio_mean", "train/inference mismatch: mean |log pi_old - log pi_rollout| per token"),
+    "tis_seq_weight_sum": MetricSpec("sum", "seqs", "tis_seq_weight_mean", "mean sequence-level TIS weight"),
+    "tis_seq_truncated": MetricSpec("sum", "seqs", "tis_seq_truncated_frac", "fraction of sequences whose TIS weight hit the cap"),
+    "tis_token_weight_sum": MetricSpec("sum", "tokens", "tis_token_weight_mean", "mean token-level TIS weight"),
+    "tis_token_truncated": MetricSpec("sum", "tokens", "tis_token_truncated_frac", "fraction of tokens whose TIS weight hit the cap"),
+}
+
+
+def raw(value: Tensor) -> Tensor:
+    """A raw metric value: 0-d, float32, detached."""
+    return value.detach().to(torch.float32).reshape(())
+
+
+def merge_metrics(parts: list[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Combine raw metrics of several micro-batches with each key's op (what an all-reduce does over ranks)."""
+    merged: dict[str, Tensor] = {}
+    for part in parts:
+        for key, value in part.items():
+            op = _spec(key).op
+            if key not in merged:
+                merged[key] = value
+            elif op == "sum":
+                merged[key] = merged[key] + value
+            elif op == "min":
+                merged[key] = torch.minimum(merged[key], value)
+            else:
+                merged[key] = torch.maximum(merged[key], value)
+    return merged
+
+
+def finalize_metrics(raw_metrics: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Means to log, from reduced raw metrics: each sum divided by its count; min / max as they are.
+
+    A statistic over an empty set (no tokens anywhere) is reported as 0, never as inf or NaN.
+    """
+    out: dict[str, Tensor] = {}
+    for key, value in raw_metrics.items():
+        spec = _spec(key)
+        if spec.per is None:
+            out[spec.name] = value
+            continue
+        count = raw_metrics[spec.per]
+        if spec.op == "sum":
+            value = value / count.clamp(min=1e-12)
+        out[spec.name] = torch.where(count > 0, value, 0.0)
+    if "adv_sum" in raw_metrics and "adv_sq_sum" in raw_metrics:
+        out["adv_std"] = (out["adv_sq_mean"] - out["adv_mean"] ** 2).clamp(min=0.0).sqrt()
+    return out
+
+
+def _spec(key: str) -> MetricSpec:
+    if key not in METRICS:
+        raise KeyError(f"metrics: unknown metric key {key!r} (known: {sorted(METRICS)})")
+    return METRICS[key]

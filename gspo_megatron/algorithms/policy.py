@@ -1,0 +1,71 @@
+"""The one loss entry point the trainer calls: ``policy_loss(config, batch, normalisers)``."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gspo_megatron.algorithms.config import LossConfig
+from gspo_megatron.algorithms.layout import LossNormalisers, TokenBatch
+from gspo_megatron.algorithms.losses import entropy_bonus, grpo_loss, gspo_loss, gspo_token_loss, kl_penalty
+from gspo_megatron.algorithms.metrics import raw
+from gspo_megatron.algorithms.sequences import ReduceSequenceSums, sequence_context
+
+
+def policy_loss(
+    config: LossConfig,
+    batch: TokenBatch,
+    normalisers: LossNormalisers,
+    reduce_sequence_sums: ReduceSequenceSums | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """loss = policy loss + kl_coef * KL - entropy_coef * entropy, and the raw metrics of all three.
+
+    normalisers:          global counts of the whole mini-batch (see ``LossNormalisers``);
+    reduce_sequence_sums: context parallelism only: all-reduce of the per-sequence sums over the CP
+                          group (see ``sequences``); None means each sequence is whole on this rank.
+    The KL (or entropy) metric is reported whenever the batch has ``ref_logprobs`` (``entropy``), and
+    enters the loss only when its coefficient is non-zero.
+    """
+    ctx = sequence_context(batch, reduce_sequence_sums)
+    clip = {"clip_low": config.clip_low, "clip_high": config.clip_high}
+    tis = {"tis_mode": config.tis_mode, "tis_cap": config.tis_cap}
+    if config.algorithm == "gspo":
+        pg_loss, metrics = gspo_loss(batch, normalisers, **clip, **tis, context=ctx)
+    elif config.algorithm == "gspo_token":
+        pg_loss, metrics = gspo_token_loss(batch, normalisers, **clip, **tis, context=ctx)
+    elif config.algorithm == "grpo":
+        pg_loss, metrics = grpo_loss(
+            batch,
+            normalisers,
+            **clip,
+            **tis,
+            aggregation=config.aggregation,
+            constant_length_tokens=config.constant_length_tokens,
+            context=ctx,
+        )
+    else:
+        raise ValueError(f"loss.algorithm: must be one of gspo, gspo_token, grpo, got {config.algorithm!r}")
+
+    loss = pg_loss
+    aggregate = {
+        "aggregation": config.aggregation,
+        "constant_length_tokens": config.constant_length_tokens,
+        "seq_tokens": ctx.total.tokens,
+    }
+    if config.kl_coef > 0 and batch.ref_logprobs is None:
+        raise ValueError("loss.kl_coef: is > 0 but the batch has no ref_logprobs (reference-model log-probs)")
+    if batch.ref_logprobs is not None:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and config.kl_coef > 0):
+            kl, kl_metrics = kl_penalty(batch, normalisers, estimator=config.kl_estimator, **aggregate)
+        metrics.update(kl_metrics)
+        if config.kl_coef > 0:
+            loss = loss + config.kl_coef * kl
+    if config.entropy_coef > 0 and batch.entropy is None:
+        raise ValueError("loss.entropy_coef: is > 0 but the batch has no entropy (per-token entropy of pi_theta)")
+    if batch.entropy is not None:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and config.entropy_coef > 0):
+            entropy, entropy_metrics = entropy_bonus(batch, normalisers, **aggregate)
+        metrics.update(entropy_metrics)
+        if config.entropy_coef > 0:
+            loss = loss - config.entropy_coef * entropy
+    metrics["loss"] = raw(loss)
+    return loss, metrics

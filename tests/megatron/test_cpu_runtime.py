@@ -1,0 +1,87 @@
+"""The CPU runtime: each patch does what its comment says, refuses unknown versions, stays off on GPU."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+
+
+def test_refuses_unknown_megatron_version():
+    proc = run_python("""
+        from megatron.core import package_info
+        package_info.__version__ = "0.99.0"
+        from gspo_megatron.megatron import cpu_runtime
+        cpu_runtime.activate()
+    """)
+    assert proc.returncode != 0
+    assert "checked against megatron-core ('0.16.1',), found 0.99.0" in proc.stderr
+
+
+def test_inactive_when_cuda_is_available():
+    proc = run_python("""
+        import torch
+        torch.cuda.is_available = lambda: True
+        original = torch.cuda.current_device
+        from gspo_megatron.megatron import cpu_runtime
+        assert cpu_runtime.activate() is False
+        assert torch.cuda.current_device is original
+        from megatron.core.pipeline_parallel import schedules
+        assert schedules.torch is torch
+        print("inactive")
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "inactive" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_patches_on_cpu():
+    proc = run_python("""
+        import torch
+        from gspo_megatron.megatron import cpu_runtime
+        assert cpu_runtime.activate() is True and cpu_runtime.activate() is True  # idempotent
+        assert torch.cuda.current_device() == torch.device("cpu")
+        x = torch.ones(2)
+        assert x.cuda() is x
+        assert x.type() == "torch.cuda.FloatTensor" and x.type(torch.float64).dtype == torch.float64
+        from megatron.core.pipeline_parallel import schedules
+        t = schedules.torch.zeros([], dtype=torch.int, device="cuda")
+        assert t.device.type == "cpu"
+        assert schedules.torch.Tensor is torch.Tensor
+        from megatron.core.transformer.moe import moe_utils
+        assert moe_utils.te_general_gemm is None
+        from megatron.core.tensor_parallel import random
+        tracker = random.get_cuda_rng_tracker()
+        tracker.add("a", 123)
+        torch.manual_seed(0)
+        outside_before = torch.rand(1)
+        torch.manual_seed(0)
+        with tracker.fork("a"):
+            first = torch.rand(3)
+        outside_after = torch.rand(1)
+        assert torch.equal(outside_before, outside_after)  # the fork does not disturb the default stream
+        assert torch.equal(first, torch.rand(3, generator=torch.Generator().manual_seed(123)))
+        with tracker.fork("a"):
+            second = torch.rand(3)
+        assert not torch.equal(first, second)  # the named state advances
+        print("ok")
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "ok" in proc.stdout
+
+
+def test_sequence_parallel_norm_marks_its_weight():
+    from types import SimpleNamespace
+
+    from gspo_megatron.megatron.cpu_runtime import SequenceParallelRMSNorm
+
+    norm = SequenceParallelRMSNorm(SimpleNamespace(normalization="RMSNorm", sequence_parallel=True), 8, eps=1e-6)
+    assert norm.weight.sequence_parallel is True
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    with pytest.raises(ValueError, match="normalization='RMSNorm'"):
+        SequenceParallelRMSNorm(SimpleNamespace(normalization="LayerNorm", sequence_parallel=False), 8)

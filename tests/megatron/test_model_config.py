@@ -1,0 +1,72 @@
+"""Model config from HF config.json: every family, and clear errors naming the field."""
+import json
+
+import pytest
+import transformers
+
+from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.typed_config import ConfigError, build
+
+
+def hf_dict(family: str, **overrides) -> dict:
+    cls = transformers.AutoConfig.for_model(family)
+    d = cls.to_dict()
+    d.update(overrides)
+    return d
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3", "qwen2", "llama", "mixtral"])
+def test_round_trip_through_hf_config(model_type):
+    cfg = ModelConfig.from_hf_dict(hf_dict(model_type, num_hidden_layers=3, vocab_size=1000))
+    assert cfg.architecture == model_type and cfg.num_layers == 3 and cfg.vocab_size == 1000
+    again = ModelConfig.from_hf_dict(cfg.to_hf_dict())
+    assert again == cfg
+    # transformers accepts what we write
+    hf = cfg.to_hf_config()
+    assert hf.num_hidden_layers == 3 and type(hf).__name__.lower().startswith(model_type.replace("_", ""))
+
+
+def test_qwen3_moe_fields():
+    cfg = ModelConfig.from_hf_dict(hf_dict("qwen3_moe", num_experts=128, num_experts_per_tok=8, head_dim=128,
+                                           norm_topk_prob=True, rope_parameters={"rope_theta": 1e6, "rope_type": "default"}))
+    assert (cfg.num_experts, cfg.moe_router_topk, cfg.head_dim, cfg.rope_theta) == (128, 8, 128, 1e6)
+    assert cfg.qk_layernorm and not cfg.qkv_bias and cfg.norm_topk_prob
+    assert ModelConfig.from_hf_dict(hf_dict("qwen2")).qkv_bias
+    assert ModelConfig.from_hf_dict(hf_dict("mixtral")).norm_topk_prob
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model_type": "gpt2"}, "model_type: unsupported architecture 'gpt2'"),
+    ({"use_sliding_window": True}, "use_sliding_window: unsupported value True"),
+    ({"mlp_only_layers": [0]}, "mlp_only_layers: unsupported value [0]"),
+    ({"hidden_act": "gelu"}, "hidden_act: unsupported activation 'gelu'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters.rope_type"),
+    ({"num_key_value_heads": 5}, "num_key_value_heads: must divide num_attention_heads=32"),
+    ({"num_experts_per_tok": 500}, "moe_router_topk: must be in [1, num_experts=128]"),
+])
+def test_errors_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig.from_hf_dict(hf_dict("qwen3_moe", **overrides), source="ckpt/config.json")
+    assert str(err.value).startswith("ckpt/config.json") and message in str(err.value)
+
+
+def test_from_hf_dir_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        ModelConfig.from_hf_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(hf_dict("llama")))
+    assert ModelConfig.from_hf_dir(tmp_path).architecture == "llama"
+
+
+def test_typed_build_errors():
+    with pytest.raises(ConfigError, match=r"model\.hidden_sizee: unknown field"):
+        build(ModelConfig, {"hidden_sizee": 3}, "model")
+    with pytest.raises(ConfigError, match=r"model\.hidden_size: expected an integer, got 'x'"):
+        build(ModelConfig, {"hidden_size": "x"}, "model")
+    with pytest.raises(ConfigError, match=r"model\.architecture: must be one of"):
+        build(ModelConfig, {"architecture": "bert"}, "model")
+    assert build(ModelConfig, {"hidden_size": 128}, "model").hidden_size == 128
+
+
+def test_padded_vocab():
+    cfg = ModelConfig(vocab_size=151_937)
+    assert cfg.padded_vocab_size(1) == 151_937 and cfg.padded_vocab_size(2) == 151_938
