@@ -161,12 +161,10 @@ def gspo_token_loss(
     with torch.no_grad():
         mean = ctx.total.log_ratio / ctx.total.tokens.clamp(min=1.0)
         in_range = seg.expand(mean.abs() <= LOG_RATIO_LIMIT) & batch.mask
-        log_s = seg.expand(ctx.total.mean_log_ratio())
-    logprobs = batch.logprobs.to(torch.float32)
-    log_s_tok = log_s + torch.where(in_range, logprobs - logprobs.detach(), 0.0)  # value log s_i, gradient 1
-    seq_weights, tis_metrics = _tis(batch, ctx, tis_mode, tis_cap)
+        log_s = seg.expand(ctx.total.mean_log_ratio())  # value of log s_it = log sg[s_i]
+    # d log s_it / d log pi_theta(y_it) = 1: the gradient flows into the log-probs themselves.
     return _token_level_loss(
-        batch, ctx, normalisers, torch.exp(log_s_tok), clip_low, clip_high, "seq_mean_token_mean", 0, seq_weights, tis_metrics, tis_mode, tis_cap
+        batch, ctx, normalisers, batch.logprobs, log_s, in_range, clip_low, clip_high, "seq_mean_token_mean", 0, tis_mode, tis_cap
     )
 
 
@@ -188,10 +186,19 @@ def grpo_loss(
         loss = -aggregate_t min(w_t A_t, clip(w_t, 1-eps_low, 1+eps_high) A_t)
     """
     ctx = sequence_context(batch) if context is None else context
-    ratio = torch.exp(ctx.token_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-    seq_weights, tis_metrics = _tis(batch, ctx, tis_mode, tis_cap)
     return _token_level_loss(
-        batch, ctx, normalisers, ratio, clip_low, clip_high, aggregation, constant_length_tokens, seq_weights, tis_metrics, tis_mode, tis_cap
+        batch,
+        ctx,
+        normalisers,
+        ctx.token_log_ratio,
+        ctx.token_log_ratio.detach(),
+        None,
+        clip_low,
+        clip_high,
+        aggregation,
+        constant_length_tokens,
+        tis_mode,
+        tis_cap,
     )
 
 
@@ -239,19 +246,15 @@ def policy_metrics(batch: TokenBatch, ctx: SequenceContext) -> Metrics:
         mask, share = batch.mask, ctx.share()
         has_tokens = ctx.local.tokens > 0
         seq_ratio = torch.exp(ctx.total.mean_log_ratio())
-        token_ratio = torch.exp(ctx.token_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
         metrics = {
             "tokens": raw(ctx.local.tokens.sum()),
             "seqs": raw(share.sum()),
             "seq_ratio_sum": raw((seq_ratio * share).sum()),
             "seq_ratio_min": raw(_masked_min(seq_ratio, has_tokens)),
-            "seq_ratio_max": raw(-_masked_min(-seq_ratio, has_tokens)),
-            "token_ratio_sum": raw(torch.where(mask, token_ratio, 0.0).sum()),
-            "token_ratio_min": raw(_masked_min(token_ratio, mask)),
-            "token_ratio_max": raw(-_masked_min(-token_ratio, mask)),
-            "abs_log_ratio_sum": raw(ctx.token_log_ratio.abs().sum()),
+            "seq_ratio_max": raw(_masked_max(seq_ratio, has_tokens)),
+            "abs_log_ratio_sum": raw(torch.linalg.vector_norm(ctx.token_log_ratio, ord=1)),
+            **_token_ratio_metrics(ctx.token_log_ratio, mask),
         }
-        del token_ratio
         metrics.update(_advantage_metrics(batch, ctx, share, has_tokens))
         if batch.rollout_logprobs is not None:
             gap = masked_log_ratio(batch.old_logprobs, batch.rollout_logprobs, mask)
@@ -259,38 +262,79 @@ def policy_metrics(batch: TokenBatch, ctx: SequenceContext) -> Metrics:
     return metrics
 
 
+class _ClippedTokenTerms(torch.autograd.Function):
+    """Per-token loss terms  -w_t min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t)  (0 off the mask),
+    with r_t = exp(clamp(log_ratio_t, -20, 20)), as one op that saves a single float per token.
+
+    Autograd of the min/clamp/product expression would keep five N-float tensors for backward. Here
+    forward computes d term_t / d x_t = -w_t A_t r_t g_t directly, where x is the tensor whose gradient
+    moves log r_t one for one (the token log-ratio for GRPO, the log-probs for GSPO-token) and g_t is 0
+    where the clip is active (the gradient the min removes, Eq. 5 / Eq. 2), where the exponent clamp
+    is hit, off the mask, or where ``gate`` is False. Also returns the active-clip masks (for metrics).
+    """
+
+    @staticmethod
+    def forward(ctx, x, log_ratio, gate, advantages, mask, weights, clip_low, clip_high):
+        low, high = 1.0 - clip_low, 1.0 + clip_high
+        ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp_()
+        outside = ~mask
+        clipped_low = ratio.lt(low).logical_and_(advantages.lt(0)).logical_and_(mask)
+        clipped_high = ratio.gt(high).logical_and_(advantages.gt(0)).logical_and_(mask)
+        no_grad = clipped_low | clipped_high
+        no_grad |= log_ratio.lt(-LOG_RATIO_LIMIT)
+        no_grad |= log_ratio.gt(LOG_RATIO_LIMIT)
+        no_grad |= outside if gate is None else ~gate
+        coef = ratio * advantages
+        if weights is not None:
+            coef.mul_(weights)
+        coef.neg_().masked_fill_(no_grad, 0.0)
+        terms = ratio.masked_fill_(clipped_low, low).masked_fill_(clipped_high, high).mul_(advantages)
+        if weights is not None:
+            terms.mul_(weights)
+        terms.neg_().masked_fill_(outside, 0.0)  # advantages off the mask may be anything, even NaN
+        ctx.save_for_backward(coef)
+        ctx.x_dtype = x.dtype
+        ctx.mark_non_differentiable(clipped_low, clipped_high)
+        return terms, clipped_low, clipped_high
+
+    @staticmethod
+    def backward(ctx, grad_terms, _grad_low, _grad_high):
+        (coef,) = ctx.saved_tensors
+        return (grad_terms * coef).to(ctx.x_dtype), None, None, None, None, None, None, None
+
+
 def _token_level_loss(
     batch: TokenBatch,
     ctx: SequenceContext,
     normalisers: LossNormalisers,
-    ratio: Tensor,
+    x: Tensor,
+    log_ratio: Tensor,
+    gate: Tensor | None,
     clip_low: float,
     clip_high: float,
     aggregation: Aggregation,
     constant_length_tokens: int,
-    seq_weights: Tensor | None,
-    tis_metrics: Metrics,
     tis_mode: TISMode,
     tis_cap: float,
 ) -> tuple[Tensor, Metrics]:
-    """Shared tail of GSPO-token and GRPO: clipped per-token objective, weights, aggregation, metrics."""
+    """Shared tail of GSPO-token and GRPO: clipped per-token terms, TIS weights, aggregation, metrics."""
     seg, mask = batch.segments, batch.mask
-    objective, clipped_low, clipped_high = clipped_objective(ratio, batch.token_advantage().to(torch.float32), clip_low, clip_high)
-    terms = torch.where(mask, -objective, 0.0)
-    if seq_weights is not None:
-        terms = terms * seg.expand(seq_weights)
+    seq_weights, tis_metrics = _tis(batch, ctx, tis_mode, tis_cap)
+    weights = None if seq_weights is None else seg.expand(seq_weights)
     if tis_mode == "token":
         weights = token_tis_weights(batch, tis_cap)
-        terms = terms * weights
-        with torch.no_grad():
-            tis_metrics = {
-                "tis_token_weight_sum": raw(torch.where(mask, weights, 0.0).sum()),
-                "tis_token_truncated": raw((mask & (weights >= tis_cap)).sum()),
-            }
+        tis_metrics = {
+            "tis_token_weight_sum": raw(torch.where(mask, weights, 0.0).sum()),
+            "tis_token_truncated": raw((mask & (weights >= tis_cap)).sum()),
+        }
+    advantages = batch.token_advantage().to(torch.float32)
+    terms, clipped_low, clipped_high = _ClippedTokenTerms.apply(
+        x, log_ratio, gate, advantages, mask, weights, clip_low, clip_high
+    )
+    del advantages, weights
     loss = aggregate_token_terms(terms, seg, ctx.total.tokens, normalisers, aggregation, constant_length_tokens)
+    del terms  # not saved for backward; free it before the metrics' scratch
     with torch.no_grad():
-        clipped_low &= mask
-        clipped_high &= mask
         seq_tokens = ctx.total.tokens.clamp(min=1.0)
         metrics = {
             "clip_low_tokens": raw(clipped_low.sum()),
@@ -299,6 +343,7 @@ def _token_level_loss(
             "clip_high_seqs": raw((seg.sum(clipped_high.to(torch.float32)) / seq_tokens).sum()),
             "pg_loss": raw(loss),
         }
+    del clipped_low, clipped_high
     return loss, {**metrics, **tis_metrics, **policy_metrics(batch, ctx)}
 
 
@@ -333,8 +378,24 @@ def _advantage_metrics(batch: TokenBatch, ctx: SequenceContext, share: Tensor, h
         "adv_sum": raw(adv_sum),
         "adv_sq_sum": raw(adv_sq_sum),
         "adv_min": raw(_masked_min(adv, present)),
-        "adv_max": raw(-_masked_min(-adv, present)),
+        "adv_max": raw(_masked_max(adv, present)),
         "zero_adv_seqs": raw((zero_seq * share).sum()),
+    }
+
+
+def _token_ratio_metrics(token_log_ratio: Tensor, mask: Tensor) -> Metrics:
+    """Sum, min and max of pi_theta / pi_old over response tokens, with one N-float scratch at a time.
+
+    The sum is taken over ratio - 1, which is 0 off the mask (log-ratio 0 there), plus the token count.
+    """
+    clamped_min = _masked_min(token_log_ratio, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    clamped_max = _masked_max(token_log_ratio, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    excess = token_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp_().sub_(1.0).sum()
+    empty = mask.sum() == 0
+    return {
+        "token_ratio_sum": raw(excess + mask.sum()),
+        "token_ratio_min": raw(torch.where(empty, float("inf"), clamped_min.exp())),
+        "token_ratio_max": raw(torch.where(empty, float("-inf"), clamped_max.exp())),
     }
 
 
@@ -343,6 +404,13 @@ def _masked_min(values: Tensor, mask: Tensor) -> Tensor:
     if values.numel() == 0:
         return torch.full((), float("inf"), device=values.device)
     return torch.where(mask, values, float("inf")).amin()
+
+
+def _masked_max(values: Tensor, mask: Tensor) -> Tensor:
+    """Maximum over ``mask``; -inf (the identity of max) when nothing is selected."""
+    if values.numel() == 0:
+        return torch.full((), float("-inf"), device=values.device)
+    return torch.where(mask, values, float("-inf")).amax()
 
 
 def _seq_tokens(batch: TokenBatch) -> Tensor:

@@ -33,13 +33,38 @@ TOKEN_LOG_RATIO_LIMIT = 1e4
 
 
 def masked_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """[N] log pi_theta - log pi_old on response tokens, 0 elsewhere, clamped to +-TOKEN_LOG_RATIO_LIMIT.
+    """[N] float32 log pi_theta - log pi_old on response tokens, 0 elsewhere, clamped to +-TOKEN_LOG_RATIO_LIMIT.
 
-    ``torch.where`` rather than a product with the mask: padding holding inf or NaN never reaches a
-    value or a gradient.
+    Differentiable in both arguments (the KL estimator differentiates the second). Masked positions
+    are overwritten, not multiplied, so padding holding inf or NaN never reaches a value or gradient.
     """
-    diff = (logprobs.to(torch.float32) - old_logprobs.to(torch.float32)).clamp(-TOKEN_LOG_RATIO_LIMIT, TOKEN_LOG_RATIO_LIMIT)
-    return torch.where(mask, diff, 0.0)
+    return _MaskedLogRatio.apply(logprobs, old_logprobs, mask)
+
+
+class _MaskedLogRatio(torch.autograd.Function):
+    """One fused op so that backward keeps a bool mask (N bytes) instead of a float copy of the
+    difference (4N bytes), which ``torch.where(mask, (a - b).clamp(...), 0)`` would save."""
+
+    @staticmethod
+    def forward(ctx, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+        diff = logprobs.to(torch.float32) - old_logprobs.to(torch.float32)
+        keep = diff.ge(-TOKEN_LOG_RATIO_LIMIT)  # False for NaN, so a NaN in padding gets no gradient
+        keep &= diff.le(TOKEN_LOG_RATIO_LIMIT)
+        keep &= mask
+        diff.clamp_(-TOKEN_LOG_RATIO_LIMIT, TOKEN_LOG_RATIO_LIMIT).masked_fill_(~mask, 0.0)
+        ctx.save_for_backward(keep)
+        ctx.dtypes = (logprobs.dtype, old_logprobs.dtype)
+        return diff
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (keep,) = ctx.saved_tensors
+        grad_new = grad_old = None
+        if ctx.needs_input_grad[0]:
+            grad_new = torch.where(keep, grad, 0.0).to(ctx.dtypes[0])
+        if ctx.needs_input_grad[1]:
+            grad_old = torch.where(keep, -grad, 0.0).to(ctx.dtypes[1])
+        return grad_new, grad_old, None
 
 
 @dataclass(frozen=True)

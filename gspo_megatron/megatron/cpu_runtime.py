@@ -44,6 +44,8 @@ _LITERAL_CUDA_MODULES = {
     "megatron.core.dist_checkpointing.exchange_utils": "shard exchange buffers",
     # broadcast_data of batches across TP ranks
     "megatron.core.tensor_parallel.data": "broadcast sizes buffer",
+    # the torch fallback of multi_tensor_l2norm used for the gradient norm without apex/TE
+    "megatron.core.utils": "local_multi_tensor_l2_norm result",
 }
 
 _FACTORY_FUNCTIONS = ("zeros", "ones", "empty", "full", "tensor", "arange", "empty_like", "zeros_like")

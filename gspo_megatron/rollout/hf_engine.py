@@ -135,11 +135,24 @@ def _read_arch(model: transformers.PreTrainedModel) -> _Arch:
         head_dim=attention.head_dim,
         vocab_size=config.vocab_size,
         max_positions=config.max_position_embeddings,
-        sliding_window=getattr(config, "sliding_window", None),  # absent from Llama configs
+        sliding_window=_sliding_window(config),
         qk_norm=config.model_type in _QK_NORM_MODEL_TYPES,
         moe_gates=tuple(block.gate for block in moe_blocks),
         moe_top_k=config.num_experts_per_tok if moe_blocks else 0,
     )
+
+
+def _sliding_window(config: transformers.PretrainedConfig) -> int | None:
+    """The attention window some layers use, or None when every layer attends to the whole sequence.
+
+    Qwen2/Qwen3/Qwen2-MoE mark windowed layers in ``layer_types`` (``sliding_window`` may hold a number even
+    when unused); Mixtral and Qwen3-MoE window every layer when ``sliding_window`` is set; Llama has none.
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return window if "sliding_attention" in layer_types else None
+    return window
 
 
 def _is_moe_block(module: nn.Module) -> bool:

@@ -86,6 +86,7 @@ class _SyncState:
 
     targets: list[ServerSlot]
     failed: set[int] = dataclasses.field(default_factory=set)  # id() of targets that dropped out
+    posted: bool = False  # some server may already hold part of the new weights
 
     def live(self) -> list[ServerSlot]:
         return [s for s in self.targets if id(s) not in self.failed and not s.dead]
@@ -158,6 +159,10 @@ class SGLangEngine(RolloutEngine):
         for slot in self.slots:
             slot.info = self._fetch_server_info(slot)
             slot.weight_version = self._version_after_start()
+            if cfg.weight_sync == "tensor" and slot.info.dp_size > 1:
+                # serialized_named_tensors has one entry per TP rank: DP replicas in one server cannot be fed.
+                raise SGLangEngineError(f"{slot.url} runs --dp-size {slot.info.dp_size}; weight_sync 'tensor' needs "
+                                        f"one server per TP group (dp_size 1)")
 
     @classmethod
     def from_config(cls, cfg: SGLangConfig, **kwargs: Any) -> "SGLangEngine":
@@ -359,6 +364,22 @@ class SGLangEngine(RolloutEngine):
         self._check_open()
         if self._sync is None:
             self._sync = _SyncState(targets=[s for s in self.slots if not s.dead])
+        try:
+            self._update_weights(named_tensors, final)
+        except BaseException:
+            self._abort_sync()  # a failed sync is abandoned whole; the next one starts from scratch
+            raise
+
+    def _abort_sync(self) -> None:
+        sync, self._sync = self._sync, None
+        if sync is not None and sync.posted:
+            for slot in sync.targets:
+                slot.weight_version = -1  # may hold a mix of old and new weights: stale until a complete sync
+        writer, self._disk_writer = self._disk_writer, None
+        if writer is not None and writer.tmp_path.exists():
+            shutil.rmtree(writer.tmp_path)
+
+    def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], final: bool) -> None:
         new_version = self.weight_version + 1
         sent_any = False
         for bucket, is_last in _with_last(bucket_named_tensors(named_tensors, self.cfg.bucket_bytes)):
@@ -397,6 +418,7 @@ class SGLangEngine(RolloutEngine):
         this sync; a rejection (bad payload, failed load) is a bug and raised."""
         if id(slot) in self._sync.failed or slot.dead:
             return
+        self._sync.posted = True
         try:
             self._call(slot, "POST", path, body)
         except ServerRejected as err:
@@ -428,6 +450,7 @@ class SGLangEngine(RolloutEngine):
         self._ensure_group()
         body = update_from_distributed_body(bucket, group_name=self._group.group_name, flush_cache=flush,
                                             weight_version=weight_version)
+        self._sync.posted = True
         # Each server blocks in its receive until our broadcasts arrive: post first, then broadcast.
         futures = [self._pool.submit(self._admin, s, "/update_weights_from_distributed", body)
                    for s in self._group_members]
@@ -591,7 +614,8 @@ def launch_servers(cfg: SGLangConfig, *, command_for: Callable[[int], list[str]]
     launch = cfg.launch
     python = launch.python or sys.executable
     make = command_for or (lambda i: launch_command(launch, i, python))
-    processes = [ServerProcess(make(i), f"http://{launch.host}:{launch.base_port + i}",
+    connect_host = "127.0.0.1" if launch.host == "0.0.0.0" else launch.host  # a server on all interfaces
+    processes = [ServerProcess(make(i), f"http://{connect_host}:{launch.base_port + i}",
                                Path(launch.log_dir) / f"sglang-{launch.host}-{launch.base_port + i}.log",
                                env=launch_env(launch), startup_timeout_s=launch.startup_timeout_s,
                                poll_s=launch.health_poll_s)

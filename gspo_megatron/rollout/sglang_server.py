@@ -61,7 +61,7 @@ def wait_healthy(url: str, *, deadline_s: float, poll_s: float, health_path: str
             raise ServerStartError(f"server for {url} exited while starting{describe()}")
         if probe_health(url, health_path, timeout_s=max(poll_s, 1.0)):
             return
-        if clock() - start > deadline_s:
+        if clock() - start + poll_s > deadline_s:  # no probe starts after the deadline
             raise ServerStartError(f"server at {url} not healthy after {deadline_s:.0f} s{describe()}")
         sleep(poll_s)
 

@@ -68,12 +68,20 @@ cmd_install() {
     have_slurm || die "apt-get finished but slurmctld/slurmd/sbatch are still not on PATH"
 }
 
+# True while the process runs; a killed daemon stays a zombie until PID 1 reaps it, which counts as dead.
+alive() {
+    local stat
+    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+    stat=${stat##*) }  # drop "pid (comm) ": the state letter comes first
+    [ "${stat%% *}" != Z ]
+}
+
 # The PID in a pid file, printed only when that process is alive and is the daemon named (PIDs get reused).
 live_pid() {
     local pidfile=$1 name=$2 pid
     [ -s "$pidfile" ] || return 1
     pid=$(tr -dc '0-9' <"$pidfile")
-    [ -n "$pid" ] && [ -r "/proc/$pid/comm" ] || return 1
+    [ -n "$pid" ] && alive "$pid" || return 1
     [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$name" ] || return 1
     echo "$pid"
 }
@@ -144,11 +152,11 @@ stop_daemon() {
     local pidfile=$1 name=$2 pid waited=0
     pid=$(live_pid "$pidfile" "$name") || { rm -f "$pidfile"; return 0; }
     kill -TERM "$pid" 2>/dev/null || true
-    while [ -d "/proc/$pid" ] && [ "$waited" -lt $((STOP_TIMEOUT_S * 10)) ]; do
+    while alive "$pid" && [ "$waited" -lt $((STOP_TIMEOUT_S * 10)) ]; do
         sleep 0.1
         waited=$((waited + 1))
     done
-    if [ -d "/proc/$pid" ]; then
+    if alive "$pid"; then
         log "$name (pid $pid) ignored SIGTERM for ${STOP_TIMEOUT_S}s: SIGKILL"
         kill -KILL "$pid" 2>/dev/null || true
     fi

@@ -1,0 +1,263 @@
+"""Hugging Face safetensors checkpoints, read and written one tensor at a time.
+
+Format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N, N bytes of
+JSON (``{"__metadata__": {...}, name: {"dtype", "shape", "data_offsets": [begin, end]}}``, padded with
+spaces to a multiple of 8), then the raw little-endian tensor bytes.
+
+Reading uses plain positioned reads into a fresh tensor rather than a memory map: a mapped file's pages
+count as the process's resident memory while mapped, and the converters must stay far below the
+checkpoint's size. Writing knows every tensor's name, dtype and shape in advance (from the model
+config), so each shard's header is written first and tensors land at their offsets in any order.
+The byte layout (tensors sorted by dtype, then name; compact JSON) is the safetensors library's own, so
+a shard written here is byte-identical to ``safetensors.torch.save_file`` of the same tensors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from gspo_megatron.conversion.errors import ConversionError, name_list
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn, "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16,
+    "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
+    "F64": torch.float64, "I64": torch.int64, "U64": torch.uint64,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# The safetensors library orders tensors in a file by its Dtype enum (descending), then by name.
+_DTYPE_RANK = {name: rank for rank, name in enumerate(
+    ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16",
+     "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"])}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+    @property
+    def numel(self) -> int:
+        return self.nbytes // self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    spec: TensorSpec
+    path: Path
+    offset: int  # absolute byte offset of the data in ``path``
+
+
+def read_header(path: Path) -> dict[str, StoredTensor]:
+    """Names, dtypes, shapes and byte offsets of the tensors in one .safetensors file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConversionError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8:
+            raise ConversionError(f"{path}: header length {header_len} exceeds the file size {size}")
+        header = json.loads(f.read(header_len))
+    data_start = 8 + header_len
+    out: dict[str, StoredTensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in DTYPES:
+            raise ConversionError(f"{path}: {name}: unsupported dtype {info['dtype']}")
+        spec = TensorSpec(name, tuple(int(s) for s in info["shape"]), DTYPES[info["dtype"]])
+        begin, end = info["data_offsets"]
+        if end - begin != spec.nbytes or data_start + end > size:
+            raise ConversionError(f"{path}: {name}: data_offsets {info['data_offsets']} do not fit "
+                                  f"shape {list(spec.shape)} {info['dtype']} in a {size}-byte file")
+        out[name] = StoredTensor(spec, path, data_start + begin)
+    return out
+
+
+def _read_exact(f, offset: int, out: torch.Tensor) -> None:
+    view = memoryview(out.numpy()).cast("B")
+    f.seek(offset)
+    done = 0
+    while done < len(view):  # a single read returns at most ~2 GiB on Linux
+        n = f.readinto(view[done:])
+        if not n:
+            raise ConversionError(f"{f.name}: file ends before byte {offset + len(view)}")
+        done += n
+
+
+class HFCheckpoint:
+    """The tensors of a Hugging Face model folder (index + shards, or one model.safetensors), read lazily.
+
+    Use as a context manager; ``read(name)`` returns a fresh tensor (no memory map behind it).
+    """
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        index_path = self.directory / INDEX_NAME
+        self.index: dict | None = None
+        if index_path.is_file():
+            self.index = json.loads(index_path.read_text())
+            if "weight_map" not in self.index:
+                raise ConversionError(f"{index_path}: weight_map: missing")
+            files = sorted(set(self.index["weight_map"].values()))
+            missing = [f for f in files if not (self.directory / f).is_file()]
+            if missing:
+                raise ConversionError(f"{index_path}: weight_map names files that do not exist: {name_list(missing)}")
+        else:
+            files = sorted(p.name for p in self.directory.glob("*.safetensors"))
+            if not files:
+                raise ConversionError(f"{self.directory}: no {INDEX_NAME} and no *.safetensors files")
+        self.tensors: dict[str, StoredTensor] = {}
+        for file in files:
+            for name, stored in read_header(self.directory / file).items():
+                if name in self.tensors:
+                    raise ConversionError(f"{self.directory}: tensor {name} appears in both "
+                                          f"{self.tensors[name].path.name} and {file}")
+                self.tensors[name] = stored
+        if self.index is not None:
+            listed = set(self.index["weight_map"])
+            for name, stored in self.tensors.items():
+                if name in listed and self.index["weight_map"][name] != stored.path.name:
+                    raise ConversionError(f"{index_path}: {name}: index says {self.index['weight_map'][name]}, "
+                                          f"the tensor is in {stored.path.name}")
+            if listed - set(self.tensors):
+                raise ConversionError(f"{index_path}: tensors listed in the index but in no file: "
+                                      f"{name_list(listed - set(self.tensors))}")
+            if set(self.tensors) - listed:
+                raise ConversionError(f"{index_path}: tensors in the files but not in the index: "
+                                      f"{name_list(set(self.tensors) - listed)}")
+        self._files: dict[Path, object] = {}
+
+    def __enter__(self) -> "HFCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def read(self, name: str) -> torch.Tensor:
+        stored = self.tensors[name]
+        f = self._files.get(stored.path)
+        if f is None:
+            f = self._files[stored.path] = open(stored.path, "rb", buffering=0)
+        raw = torch.empty(stored.spec.nbytes, dtype=torch.uint8)
+        _read_exact(f, stored.offset, raw)
+        return raw.view(stored.spec.dtype).reshape(stored.spec.shape)
+
+    def location(self, name: str) -> tuple[str, int]:
+        """(file name, byte offset): sort reads by it to read each file front to back."""
+        stored = self.tensors[name]
+        return stored.path.name, stored.offset
+
+
+class SafetensorsWriter:
+    """Writes one .safetensors file whose tensors are known up front; ``write`` them in any order."""
+
+    def __init__(self, path: Path, specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None):
+        self.path = path
+        ordered = sorted(specs, key=lambda s: (-_DTYPE_RANK[DTYPE_NAMES[s.dtype]], s.name))
+        header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+        self._slots: dict[str, tuple[TensorSpec, int]] = {}
+        position = 0
+        for spec in ordered:
+            header[spec.name] = {"dtype": DTYPE_NAMES[spec.dtype], "shape": list(spec.shape),
+                                 "data_offsets": [position, position + spec.nbytes]}
+            self._slots[spec.name] = (spec, position)
+            position += spec.nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self._data_start = 8 + len(blob)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(self._fd, struct.pack("<Q", len(blob)) + blob)
+        os.ftruncate(self._fd, self._data_start + position)
+        self._written: set[str] = set()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self._slots:
+            raise ConversionError(f"{self.path.name}: {name}: not planned for this shard")
+        if name in self._written:
+            raise ConversionError(f"{self.path.name}: {name}: written twice")
+        spec, position = self._slots[name]
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            raise ConversionError(f"{self.path.name}: {name}: got {list(tensor.shape)} {tensor.dtype}, "
+                                  f"planned {list(spec.shape)} {spec.dtype}")
+        data = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:], self._data_start + position + done)
+        self._written.add(name)
+
+    def close(self) -> None:
+        missing = set(self._slots) - self._written
+        if missing:
+            raise ConversionError(f"{self.path.name}: tensors never written: {name_list(missing)}")
+        os.fsync(self._fd)
+        os.close(self._fd)
+
+    def abort(self) -> None:
+        os.close(self._fd)
+
+
+@dataclasses.dataclass
+class ShardPlan:
+    files: dict[str, list[TensorSpec]]  # file name -> its tensors
+    index: dict | None  # model.safetensors.index.json content, None for a single model.safetensors
+
+
+def plan_shards(specs: list[TensorSpec], max_shard_bytes: int, template_index: dict | None = None) -> ShardPlan:
+    """Assign tensors to files: the template's assignment when it names exactly these tensors (so a
+    round trip reproduces the index), else in order, starting a new file before ``max_shard_bytes``
+    would be exceeded (a larger tensor gets a file of its own)."""
+    if max_shard_bytes < 1:
+        raise ConversionError(f"--max-shard-bytes must be >= 1, got {max_shard_bytes}")
+    names = [s.name for s in specs]
+    if template_index is not None and set(template_index["weight_map"]) == set(names):
+        weight_map = template_index["weight_map"]
+        files: dict[str, list[TensorSpec]] = {}
+        for spec in specs:
+            files.setdefault(weight_map[spec.name], []).append(spec)
+        return ShardPlan(files, _index(specs, weight_map))
+    groups: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if groups[-1] and size + spec.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += spec.nbytes
+    if len(groups) == 1:
+        return ShardPlan({SINGLE_NAME: groups[0]}, None)
+    files = {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": group for i, group in enumerate(groups)}
+    return ShardPlan(files, _index(specs, {s.name: file for file, group in files.items() for s in group}))
+
+
+def _index(specs: list[TensorSpec], weight_map: dict[str, str]) -> dict:
+    return {"metadata": {"total_parameters": sum(s.numel for s in specs), "total_size": sum(s.nbytes for s in specs)},
+            "weight_map": dict(sorted(weight_map.items()))}
+
+
+def write_index(directory: Path, index: dict) -> None:
+    """The index as transformers writes it (sorted keys, 2-space indent, trailing newline)."""
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

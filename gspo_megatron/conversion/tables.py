@@ -1,0 +1,220 @@
+"""Declarative, two-way tables: Hugging Face tensor names <-> canonical Megatron names, per model family.
+
+One ``Rule`` per row: a canonical Megatron name pattern, the HF name pattern(s) it is made of, and the
+transform between them (``transforms.py``). Patterns use ``{layer}`` and ``{expert}``; both sides use
+*global* numbers (the layout algebra that maps them to a rank's local numbers is ``megatron/sharding.py``).
+``expand(config)`` turns a family's table into the concrete list of entries of one model, in HF order;
+every other piece (offline conversion, live export, validation) works from that list, so a tensor can be
+consumed and produced exactly once only if the table says so.
+
+Canonical names are those of the *local* (non-Transformer-Engine) spec, which is what runs on CPU. On a
+GPU the TE spec names a few parameters differently; ``TE_SPEC_NAMES`` is that translation, as data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from functools import lru_cache
+
+from gspo_megatron.conversion.errors import ConversionError
+from gspo_megatron.conversion.transforms import FusedGateUp, FusedQKV, Identity, Transform, global_expert, local_expert
+from gspo_megatron.megatron.model_config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    megatron: str
+    hf: tuple[str, ...]
+    transform: str = "identity"  # "identity" | "qkv" | "gate_up"
+    untied_only: bool = False  # absent when the output layer shares the embedding
+
+
+L = "decoder.layers.{layer}."
+H = "model.layers.{layer}."
+
+EMBEDDING = (Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),)
+ATTENTION = (
+    Rule(L + "input_layernorm.weight", (H + "input_layernorm.weight",)),
+    Rule(L + "self_attention.linear_qkv.weight",
+         (H + "self_attn.q_proj.weight", H + "self_attn.k_proj.weight", H + "self_attn.v_proj.weight"), "qkv"),
+    Rule(L + "self_attention.linear_proj.weight", (H + "self_attn.o_proj.weight",)),
+    Rule(L + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",)),
+)
+QKV_BIAS = (
+    Rule(L + "self_attention.linear_qkv.bias",
+         (H + "self_attn.q_proj.bias", H + "self_attn.k_proj.bias", H + "self_attn.v_proj.bias"), "qkv"),
+)
+QK_NORM = (
+    Rule(L + "self_attention.q_layernorm.weight", (H + "self_attn.q_norm.weight",)),
+    Rule(L + "self_attention.k_layernorm.weight", (H + "self_attn.k_norm.weight",)),
+)
+DENSE_MLP = (
+    Rule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), "gate_up"),
+    Rule(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",)),
+)
+E = L + "mlp.experts.local_experts.{expert}."
+QWEN_MOE = (
+    Rule(L + "mlp.router.weight", (H + "mlp.gate.weight",)),
+    Rule(E + "linear_fc1.weight",
+         (H + "mlp.experts.{expert}.gate_proj.weight", H + "mlp.experts.{expert}.up_proj.weight"), "gate_up"),
+    Rule(E + "linear_fc2.weight", (H + "mlp.experts.{expert}.down_proj.weight",)),
+)
+MIXTRAL_MOE = (
+    Rule(L + "mlp.router.weight", (H + "block_sparse_moe.gate.weight",)),
+    Rule(E + "linear_fc1.weight",
+         (H + "block_sparse_moe.experts.{expert}.w1.weight", H + "block_sparse_moe.experts.{expert}.w3.weight"),
+         "gate_up"),
+    Rule(E + "linear_fc2.weight", (H + "block_sparse_moe.experts.{expert}.w2.weight",)),
+)
+FINAL = (
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    Rule("output_layer.weight", ("lm_head.weight",), untied_only=True),
+)
+
+FAMILY_TABLES: dict[str, tuple[Rule, ...]] = {
+    "qwen3_moe": EMBEDDING + ATTENTION + QK_NORM + QWEN_MOE + FINAL,
+    "qwen3": EMBEDDING + ATTENTION + QK_NORM + DENSE_MLP + FINAL,
+    "qwen2": EMBEDDING + ATTENTION + QKV_BIAS + DENSE_MLP + FINAL,
+    "llama": EMBEDDING + ATTENTION + DENSE_MLP + FINAL,
+    "mixtral": EMBEDDING + ATTENTION + MIXTRAL_MOE + FINAL,
+}
+
+# Parameters whose rows are the vocabulary (padded to a multiple of TP inside Megatron, unpadded here).
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One canonical Megatron tensor of one model and the HF tensors it is made of."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    transform: Transform
+
+
+def transform_for(kind: str, config: ModelConfig) -> Transform:
+    if kind == "qkv":
+        return FusedQKV(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    if kind == "gate_up":
+        return FusedGateUp()
+    if kind == "identity":
+        return Identity()
+    raise ValueError(f"unknown transform {kind!r}")
+
+
+def family_table(config: ModelConfig) -> tuple[Rule, ...]:
+    if config.architecture not in FAMILY_TABLES:
+        raise ConversionError(f"model_type: no conversion table for architecture {config.architecture!r} "
+                              f"(supported: {sorted(FAMILY_TABLES)})")
+    return FAMILY_TABLES[config.architecture]
+
+
+def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
+    return pattern.replace("{layer}", str(layer)).replace("{expert}", str(expert))
+
+
+def expand(config: ModelConfig) -> list[Entry]:
+    """Every canonical tensor of ``config`` with its HF tensors, in HF order (embedding, layer by layer
+    with experts in order inside each layer, final norm, output layer)."""
+    rules = [r for r in family_table(config) if not (r.untied_only and config.tie_word_embeddings)]
+    entries: list[Entry] = []
+
+    def add(rule: Rule, layer: int | None = None, expert: int | None = None) -> None:
+        entries.append(Entry(_fill(rule.megatron, layer, expert), tuple(_fill(h, layer, expert) for h in rule.hf),
+                             transform_for(rule.transform, config)))
+
+    for rule in rules:
+        if "{layer}" not in rule.megatron and rule.megatron.startswith("embedding"):
+            add(rule)
+    for layer in range(config.num_layers):
+        for rule in rules:
+            if "{layer}" not in rule.megatron:
+                continue
+            if "{expert}" in rule.megatron:
+                for expert in range(config.num_experts):
+                    add(rule, layer, expert)
+            else:
+                add(rule, layer)
+    for rule in rules:
+        if "{layer}" not in rule.megatron and not rule.megatron.startswith("embedding"):
+            add(rule)
+    return entries
+
+
+# ---- layouts -------------------------------------------------------------------------------------
+
+def validate_layout(config: ModelConfig, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                    expert_parallel: int = 1, source: str = "layout") -> None:
+    """Raise naming the flag and the model field when a TP/PP/EP layout does not divide the model.
+
+    The vocabulary must divide by TP too: converted checkpoints store the unpadded vocabulary, which
+    Megatron then expects to be its padded size (a multiple of TP).
+    """
+    checks = [
+        ("tp", tensor_parallel, "num_attention_heads", config.num_attention_heads),
+        ("tp", tensor_parallel, "num_key_value_heads", config.num_key_value_heads),
+        ("tp", tensor_parallel, "vocab_size", config.vocab_size),
+        ("pp", pipeline_parallel, "num_layers", config.num_layers),
+    ]
+    if config.is_moe:
+        checks += [("ep", expert_parallel, "num_experts", config.num_experts),
+                   ("tp", tensor_parallel, "moe_ffn_hidden_size", config.moe_ffn_hidden_size)]
+    else:
+        checks.append(("tp", tensor_parallel, "ffn_hidden_size", config.ffn_hidden_size))
+        if expert_parallel != 1:
+            raise ConversionError(f"{source}: --ep {expert_parallel}: the model is dense (num_experts=0); "
+                                  f"expert parallelism needs an MoE model")
+    for flag, size, field, value in checks:
+        if size < 1:
+            raise ConversionError(f"{source}: --{flag} must be >= 1, got {size}")
+        if value % size:
+            raise ConversionError(f"{source}: --{flag} {size} does not divide the model: {field}={value} "
+                                  f"is not a multiple of {size}")
+
+
+# ---- Transformer Engine spec names ---------------------------------------------------------------
+
+# (TE-spec parameter name, local-spec canonical name). Layers are global on both sides (sharding.py
+# renumbers them); TE's grouped experts carry the *local* expert number, glued to the name.
+TE_SPEC_NAMES: tuple[tuple[str, str], ...] = (
+    (L + "self_attention.linear_qkv.layer_norm_weight", L + "input_layernorm.weight"),
+    (L + "mlp.linear_fc1.layer_norm_weight", L + "pre_mlp_layernorm.weight"),  # dense layers only
+    (L + "mlp.experts.linear_fc1.weight{local_expert}", E + "linear_fc1.weight"),
+    (L + "mlp.experts.linear_fc2.weight{local_expert}", E + "linear_fc2.weight"),
+)
+
+
+@lru_cache(maxsize=None)
+def _pattern(template: str) -> re.Pattern:
+    parts = re.split(r"\{(\w+)\}", template)
+    regex = "".join(re.escape(p) if i % 2 == 0 else f"(?P<{p}>\\d+)" for i, p in enumerate(parts))
+    return re.compile(f"^{regex}$")
+
+
+def te_to_canonical(name: str, ep_rank: int, num_local_experts: int) -> str:
+    """A TE-spec parameter name (global layer) -> the local-spec canonical name (global expert)."""
+    for te, canonical in TE_SPEC_NAMES:
+        match = _pattern(te).match(name)
+        if match:
+            fields = match.groupdict()
+            if "local_expert" in fields:
+                fields["expert"] = str(global_expert(int(fields.pop("local_expert")), ep_rank, num_local_experts))
+            return canonical.format(**fields)
+    return name
+
+
+def canonical_to_te(name: str, num_local_experts: int, dense: bool) -> tuple[int | None, str]:
+    """The local-spec canonical name -> (EP rank holding it or None, TE-spec name). ``dense`` says
+    whether the layer is dense (only then is pre_mlp_layernorm fused into linear_fc1 under TE)."""
+    for te, canonical in TE_SPEC_NAMES:
+        match = _pattern(canonical).match(name)
+        if not match:
+            continue
+        fields = match.groupdict()
+        if "expert" in fields:
+            ep_rank, local = local_expert(int(fields.pop("expert")), num_local_experts)
+            return ep_rank, te.format(local_expert=local, **fields)
+        if te.endswith("mlp.linear_fc1.layer_norm_weight") and not dense:
+            return None, name
+        return None, te.format(**fields)
+    return None, name

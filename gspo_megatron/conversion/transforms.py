@@ -1,0 +1,101 @@
+"""The tensor transforms shared by every family's table, each written once and two-way.
+
+A transform turns the Hugging Face tensors of one table row into the one canonical Megatron tensor
+(``to_megatron``) and back (``to_hf``); ``hf_shapes`` says which HF shapes a canonical shape implies, so
+a checkpoint can be validated before anything is read. Round trips are exact: only reshapes, concats and
+slices, never arithmetic, so HF -> Megatron -> HF returns the same bytes.
+
+Expert renumbering (global <-> (EP rank, local)) is the other shared piece: the Transformer Engine name
+translation in ``tables.py`` uses it for grouped experts, whose names carry the *local* expert number.
+Layer renumbering (stage-local <-> global) lives in ``megatron/sharding.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """One HF tensor is the canonical tensor."""
+
+    def hf_shapes(self, canonical: Shape) -> list[Shape]:
+        return [tuple(canonical)]
+
+    def to_megatron(self, hf: Sequence[torch.Tensor]) -> torch.Tensor:
+        (tensor,) = hf
+        return tensor
+
+    def to_hf(self, canonical: torch.Tensor) -> list[torch.Tensor]:
+        return [canonical]
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedQKV:
+    """HF q/k/v projections <-> Megatron's fused ``linear_qkv``, interleaved per KV group.
+
+    With H query heads, G KV groups and head dim d, HF has q [H*d, ...], k [G*d, ...], v [G*d, ...]
+    (query head i uses KV group i // (H/G)). Megatron's rows are, for each group g:
+    [q heads g*H/G .. (g+1)*H/G - 1 (H/G*d rows); k_g (d rows); v_g (d rows)], so a TP split of dim 0
+    keeps whole groups together. ``...`` is [hidden] for weights and nothing for biases.
+    """
+
+    heads: int
+    groups: int
+    head_dim: int
+
+    def hf_shapes(self, canonical: Shape) -> list[Shape]:
+        rest = tuple(canonical[1:])
+        d = self.head_dim
+        return [(self.heads * d, *rest), (self.groups * d, *rest), (self.groups * d, *rest)]
+
+    def to_megatron(self, hf: Sequence[torch.Tensor]) -> torch.Tensor:
+        q, k, v = hf
+        g, d, rest = self.groups, self.head_dim, tuple(q.shape[1:])
+        parts = [q.reshape(g, self.heads // g * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)]
+        return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+    def to_hf(self, canonical: torch.Tensor) -> list[torch.Tensor]:
+        g, d, rest = self.groups, self.head_dim, tuple(canonical.shape[1:])
+        per_group = canonical.reshape(g, (self.heads // g + 2) * d, *rest)
+        q, k, v = per_group.split([self.heads // g * d, d, d], dim=1)
+        return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedGateUp:
+    """HF gate [F, h] and up [F, h] <-> Megatron's SwiGLU ``linear_fc1`` = [gate; up] ([2F, h]).
+
+    Under TP the canonical tensor is split per half (sharding.py's "glu" split), not here.
+    """
+
+    def hf_shapes(self, canonical: Shape) -> list[Shape]:
+        half = (canonical[0] // 2, *canonical[1:])
+        return [half, half]
+
+    def to_megatron(self, hf: Sequence[torch.Tensor]) -> torch.Tensor:
+        gate, up = hf
+        return torch.cat([gate, up], dim=0)
+
+    def to_hf(self, canonical: torch.Tensor) -> list[torch.Tensor]:
+        return [t.contiguous() for t in canonical.chunk(2, dim=0)]
+
+
+Transform = Identity | FusedQKV | FusedGateUp
+
+
+# ---- renumbering ---------------------------------------------------------------------------------
+
+def global_expert(local: int, ep_rank: int, num_local_experts: int) -> int:
+    """Megatron gives EP rank r the contiguous experts [r * n_local, (r + 1) * n_local)."""
+    return ep_rank * num_local_experts + local
+
+
+def local_expert(global_index: int, num_local_experts: int) -> tuple[int, int]:
+    """(EP rank, local index) holding global expert ``global_index``."""
+    return divmod(global_index, num_local_experts)
+

@@ -1,0 +1,71 @@
+"""The demo tokenizer: character-level, built offline and deterministically, 100 tokens.
+
+ids 0-3 are special: ``<pad>`` (padding), ``<|im_start|>``, ``<|im_end|>`` (end of turn = eos, what
+generation stops on) and ``<unk>``; then the 95 printable ASCII characters (space .. ``~``) and
+newline, one token each. Its chat template is Qwen-style::
+
+    <|im_start|>user\\n12+7=<|im_end|>\\n<|im_start|>assistant\\n
+
+so the demo prompt "12+7=" is 26 tokens and the answer "19" plus eos is 3. A copy is shipped in
+``gspo_megatron/assets/tokenizer`` (``demo_tokenizer_path()``); ``build_demo_tokenizer()`` rebuilds it
+and a test checks the two agree.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+SPECIAL_TOKENS = ("<pad>", "<|im_start|>", "<|im_end|>", "<unk>")
+CHARACTERS = tuple(chr(c) for c in range(32, 127)) + ("\n",)
+DEMO_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def demo_tokenizer_path() -> str:
+    """The folder of the shipped demo tokenizer (load it with ``AutoTokenizer.from_pretrained``)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tokenizer")
+
+
+def build_demo_tokenizer() -> Any:
+    """A ``transformers.PreTrainedTokenizerFast`` over single characters (see the module docstring)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"(?m)."), behavior="isolated")  # every character alone
+    backend.decoder = decoders.Fuse()  # join characters back without spaces
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
+                                        unk_token="<unk>", model_max_length=4096)
+    tokenizer.chat_template = DEMO_CHAT_TEMPLATE
+    return tokenizer
+
+
+def save_demo_tokenizer(path: str | os.PathLike[str]) -> str:
+    """Build and ``save_pretrained`` the demo tokenizer into ``path`` (written aside, then renamed)."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+    build_demo_tokenizer().save_pretrained(tmp)
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def load_demo_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_tokenizer_path())
+
+
+__all__ = ["DEMO_CHAT_TEMPLATE", "build_demo_tokenizer", "demo_tokenizer_path", "load_demo_tokenizer",
+           "save_demo_tokenizer"]

@@ -1,0 +1,429 @@
+"""MoE routing statistics and Routing Replay on Megatron-Core's TopKRouter.
+
+Three pieces, all keyed by the *global* transformer layer index (0-based, the same on every pipeline
+stage):
+
+* ``RoutingRecorder``: a context manager that records, through forward hooks on the routers, the top-k
+  experts every token was sent to during one or more forwards (micro-batches).
+* ``routing_drift``: the fraction of (token, layer) top-k expert *sets* that differ between two records
+  of the same tokens -- the paper's "about 10% of the experts activated for the same rollout change
+  after one gradient update" (GSPO, section 5.3). Returned as sums and counts so it reduces over ranks.
+* ``RoutingReplay``: forces recorded experts in later forwards through Megatron-Core's own
+  ``RouterReplay`` (megatron/core/transformer/moe/router_replay.py, >= 0.16): "R2" replays the experts of
+  the old-policy forward in the update forwards, "R3" replays the experts the rollout engine chose.
+
+Token order. Megatron's router sees hidden states [s_local, b, h] and returns a routing map
+[s_local * b, num_experts] in sequence-major order; under sequence parallelism (SP) each TP rank holds a
+contiguous 1/TP slice of the sequence, under context parallelism (CP) each rank holds chunks r and
+2CP-1-r. The recorder hands out **batch-major, position-ordered** tensors [b, s, ...] -- the layout of
+the ``input_ids`` the caller fed -- by all-gathering the SP slices (and, when a CP group is given, the CP
+chunks). ``RoutingReplay`` takes the same layout and slices it back into the router's order.
+
+Per-sample contract (R2 storage and R3 input): ``[R, num_moe_layers, top_k]`` int expert ids, row p the
+experts of model input position p of the sample (prompt + response tokens, starting at 0), with
+R = len(tokens) - 1 (what an inference engine routes: the last token is never fed) or len(tokens).
+Layer j is the j-th MoE layer in model order (``moe_layer_numbers``). See ``experts_to_batch``.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# Marks a layer (or position) with no recorded experts, e.g. a layer on another pipeline stage.
+NO_EXPERT = -1
+
+
+# ---- model introspection -------------------------------------------------------------------------
+
+
+def _chunks(model) -> list[torch.nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def moe_routers(model) -> dict[int, torch.nn.Module]:
+    """Global layer index (0-based) -> TopKRouter, for the layers of ``model`` (a module or a list of
+    virtual-pipeline chunks, DDP-wrapped or not) that live on this rank's pipeline stage."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers: dict[int, torch.nn.Module] = {}
+    for chunk in _chunks(model):
+        for name, module in chunk.named_modules():
+            if isinstance(module, TopKRouter):
+                if module.layer_number is None:
+                    raise ValueError(f"moe_routers: router {name} has no layer_number (build the model through TransformerBlock)")
+                routers[module.layer_number - 1] = module  # Megatron numbers layers from 1, across stages
+    return routers
+
+
+def moe_layer_numbers(config) -> list[int]:
+    """Global indices (0-based) of the MoE layers, in model order, from Megatron's ``moe_layer_freq``
+    (an int N: every N-th layer from 0; a list: a 0/1 pattern) -- the rule of ``get_gpt_decoder_block_spec``.
+    Index j of the result is MoE layer j of the per-sample ``[R, num_moe_layers, top_k]`` layout."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i for i in range(config.num_layers) if i % freq == 0]
+    if len(freq) != config.num_layers:
+        raise ValueError(f"moe_layer_freq: pattern of length {len(freq)}, expected num_layers={config.num_layers}")
+    return [i for i, is_moe in enumerate(freq) if is_moe]
+
+
+def _moe_index(config) -> dict[int, int]:
+    return {layer: j for j, layer in enumerate(moe_layer_numbers(config))}
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward pass: a forward seen then is an activation
+    recomputation (Megatron's recompute, torch checkpoint), not a new micro-batch."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# ---- recording -----------------------------------------------------------------------------------
+
+
+def topk_from_routing_map(routing_map: Tensor, top_k: int) -> Tensor:
+    """[N, E] bool routing map -> [N, top_k] int64 expert ids, ascending per token (a set, comparable).
+
+    Every token must have exactly top_k experts (no capacity dropping / padding, which this project
+    does not use): anything else would make a "set changed" statistic meaningless.
+    """
+    counts = routing_map.sum(dim=1)
+    if not bool((counts == top_k).all()):
+        raise ValueError(f"routing map: every token must select exactly top_k={top_k} experts, found counts "
+                         f"{sorted(set(counts.tolist()))} (expert capacity / padding is not supported here)")
+    # nonzero lists each row's columns in ascending order, rows in order
+    return routing_map.nonzero()[:, 1].view(-1, top_k)
+
+
+class RoutingRecorder:
+    """Record each MoE layer's top-k experts during the forwards run inside the ``with`` block.
+
+        with RoutingRecorder(model, sequence_parallel_group=tp_group_if_sp) as rec:
+            ... forward micro-batches (forward_backward_func or model(...)) ...
+        rec.experts            # {global layer: [num_tokens, top_k] int64, ids ascending per token}
+        rec.routed_experts()   # per forward: [b, s, num_moe_layers, top_k], NO_EXPERT on other stages' layers
+
+    ``experts`` concatenates the forwards in call order, each flattened batch-major (token b * s + t), the
+    order of ``mask[b, s].reshape(-1)``. Forwards that run inside a backward pass (activation
+    recomputation) are not recorded.
+
+    sequence_parallel_group: the TP group when sequence parallelism is on (each TP rank routes a 1/TP slice
+        of the sequence; the slices are all-gathered on exit), else None (every TP rank routes every token).
+    context_parallel_group: when given, CP chunks are all-gathered and put back in position order
+        ([b, s] layout only); when None, a CP rank keeps its own tokens in its chunk order (split masks
+        with ``context_parallel.split_for_cp`` to match).
+    The gathers are collectives: every rank of those groups must leave the block together.
+    """
+
+    def __init__(self, model, *, sequence_parallel_group=None, context_parallel_group=None):
+        self._routers = moe_routers(model)
+        self._sp_group = sequence_parallel_group
+        self._cp_group = context_parallel_group
+        self._handles: list = []
+        self._local: dict[int, list[Tensor]] = {layer: [] for layer in self._routers}  # [s_local, b, k] each
+        self._calls = 0
+        self.experts: dict[int, Tensor] = {}
+        self._per_forward: dict[int, list[Tensor]] = {}
+        config = next(iter(self._routers.values())).config if self._routers else None
+        self._moe_index = _moe_index(config) if config is not None else {}
+        self.top_k = config.moe_router_topk if config is not None else 0
+
+    def __enter__(self) -> "RoutingRecorder":
+        for layer, router in self._routers.items():
+            self._handles.append(router.register_forward_hook(self._hook(layer)))
+        return self
+
+    def _hook(self, layer: int):
+        def hook(router, args, output):
+            if _in_backward():
+                return
+            hidden = args[0]  # [s_local, b, h]
+            _, routing_map = output
+            ids = topk_from_routing_map(routing_map, router.topk)
+            self._local[layer].append(ids.view(hidden.shape[0], hidden.shape[1], router.topk).detach())
+        return hook
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if exc_type is not None:
+            return
+        counts = {len(v) for v in self._local.values()}
+        if len(counts) > 1:
+            raise RuntimeError(f"RoutingRecorder: layers saw different numbers of forwards {sorted(counts)}")
+        self._per_forward = {layer: [self._assemble(t) for t in pieces] for layer, pieces in self._local.items()}
+        self.experts = {layer: torch.cat([t.reshape(-1, t.shape[-1]) for t in pieces]) if pieces else
+                        torch.empty(0, self.top_k, dtype=torch.long)
+                        for layer, pieces in self._per_forward.items()}
+        self._local = {layer: [] for layer in self._routers}
+
+    def _assemble(self, local: Tensor) -> Tensor:
+        """[s_local, b, k] of this rank -> [b, s, k] in position order (gathered over SP and CP)."""
+        if self._sp_group is not None and dist.get_world_size(self._sp_group) > 1:
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self._sp_group))]
+            dist.all_gather(parts, local.contiguous(), group=self._sp_group)
+            local = torch.cat(parts, dim=0)  # SP slices are contiguous along the sequence
+        batch_major = local.transpose(0, 1).contiguous()
+        if self._cp_group is not None and dist.get_world_size(self._cp_group) > 1:
+            from gspo_megatron.megatron.context_parallel import gather_from_cp
+
+            batch_major = gather_from_cp(batch_major, 1, self._cp_group)
+        return batch_major
+
+    @property
+    def num_forwards(self) -> int:
+        return len(next(iter(self._per_forward.values()))) if self._per_forward else 0
+
+    def routed_experts(self, num_moe_layers: int | None = None) -> list[Tensor]:
+        """Per recorded forward: [b, s, num_moe_layers, top_k] int64 in the per-sample layer order;
+        layers not on this pipeline stage hold NO_EXPERT. Slice rows per sample to store them for R2."""
+        if not self._per_forward:
+            return []
+        config = next(iter(self._routers.values())).config
+        n_moe = len(moe_layer_numbers(config)) if num_moe_layers is None else num_moe_layers
+        out = []
+        for i in range(self.num_forwards):
+            first = next(iter(self._per_forward.values()))[i]
+            b, s, k = first.shape
+            stacked = torch.full((b, s, n_moe, k), NO_EXPERT, dtype=torch.long)
+            for layer, pieces in self._per_forward.items():
+                stacked[:, :, self._moe_index[layer]] = pieces[i]
+            out.append(stacked)
+        return out
+
+
+# ---- drift ---------------------------------------------------------------------------------------
+
+
+def routing_drift(before: Mapping[int, Tensor], after: Mapping[int, Tensor], token_mask: Tensor | None = None,
+                  *, num_layers: int | None = None) -> dict[str, Tensor]:
+    """How many (token, layer) top-k expert sets changed between two records of the same tokens.
+
+    before, after: {global layer: [N, top_k] expert ids, ascending per token} (``RoutingRecorder.experts``);
+    token_mask:    [N] (or any shape with N elements, flattened) bool, True on tokens that count
+                   (response tokens); None counts every token;
+    num_layers:    length of the per-layer vectors (default: highest layer + 1); give the model's
+                   num_layers so that vectors of different pipeline stages line up for a reduce.
+    Returns float64 sums, reducible with ``reduce_drift`` before ``drift_fractions``:
+        changed: [num_layers] masked tokens whose expert set differs, per layer;
+        tokens:  [num_layers] masked tokens compared, per layer (0 for layers not recorded here).
+    """
+    if set(before) != set(after):
+        raise ValueError(f"routing_drift: records cover different layers, before {sorted(before)} vs after {sorted(after)}")
+    size = (max(before) + 1 if before else 0) if num_layers is None else num_layers
+    changed = torch.zeros(size, dtype=torch.float64)
+    tokens = torch.zeros(size, dtype=torch.float64)
+    for layer in sorted(before):
+        a, b = before[layer], after[layer]
+        if a.shape != b.shape:
+            raise ValueError(f"routing_drift: layer {layer}: before {tuple(a.shape)} vs after {tuple(b.shape)} -- not the same tokens")
+        if layer >= size:
+            raise ValueError(f"routing_drift: layer {layer} >= num_layers={size}")
+        differs = (a.to(b.device) != b).any(dim=1)
+        mask = torch.ones_like(differs) if token_mask is None else token_mask.reshape(-1).to(torch.bool)
+        if mask.numel() != differs.numel():
+            raise ValueError(f"routing_drift: token_mask has {mask.numel()} elements for {differs.numel()} recorded tokens")
+        changed[layer] = (differs & mask).sum().double()
+        tokens[layer] = mask.sum().double()
+    return {"changed": changed, "tokens": tokens}
+
+
+def reduce_drift(stats: Mapping[str, Tensor], group=None) -> dict[str, Tensor]:
+    """All-reduce (SUM) the drift sums over ``group`` (one collective).
+
+    Reduce over the ranks that hold *different* tokens or layers (data-parallel and pipeline ranks). Ranks
+    that hold the same record (TP ranks, and CP ranks when the recorder gathered over CP) only multiply
+    both sums by the same factor, which leaves the fractions unchanged; reducing over the whole world is
+    therefore fine for the fractions.
+    """
+    if not dist.is_initialized() or (group is not None and dist.get_world_size(group) == 1):
+        return dict(stats)
+    stacked = torch.stack([stats["changed"], stats["tokens"]])
+    dist.all_reduce(stacked, group=group)
+    return {"changed": stacked[0], "tokens": stacked[1]}
+
+
+def drift_fractions(stats: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """per_layer: [num_layers] changed / tokens (0 where no token was compared); overall: 0-d, the
+    fraction of all compared (token, layer) pairs whose expert set changed."""
+    tokens = stats["tokens"]
+    per_layer = torch.where(tokens > 0, stats["changed"] / tokens.clamp(min=1.0), 0.0)
+    total = tokens.sum()
+    overall = torch.where(total > 0, stats["changed"].sum() / total.clamp(min=1.0), 0.0)
+    return {"per_layer": per_layer, "overall": overall}
+
+
+# ---- replay --------------------------------------------------------------------------------------
+
+
+def enable_router_replay(model) -> dict[int, torch.nn.Module]:
+    """Give every TopKRouter of ``model`` a Megatron ``RouterReplay`` (what ``moe_enable_routing_replay=True``
+    in the TransformerConfig does at construction); routers that already have one keep it.
+
+    Returns {global layer: router}. With no replay action set, a RouterReplay is inert: routing is free.
+    Note: each new RouterReplay also appends itself to Megatron's class-level
+    ``RouterReplay.global_router_replay_instances``; this module never uses that global list (it would mix
+    the routers of every model built in the process, e.g. a frozen reference model), only per-router calls.
+    """
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    routers = moe_routers(model)
+    for router in routers.values():
+        if router.router_replay is None:
+            router.router_replay = RouterReplay()
+    return routers
+
+
+def experts_to_batch(samples: Sequence[Tensor], seq_len: int, *, num_experts: int,
+                     fill: Tensor | None = None) -> Tensor:
+    """Pad per-sample expert records into one micro-batch: [b, seq_len, num_moe_layers, top_k] int64.
+
+    samples: b tensors [R_i, num_moe_layers, top_k], row p = model input position p of sample i (the
+             per-sample contract in the module doc: R3 from the rollout engine, or R2 rows sliced from
+             ``RoutingRecorder.routed_experts``), right-aligned with padding like ``input_ids``.
+    Positions p >= R_i (the last token, which an engine never feeds, and right padding) get ``fill``
+    ([top_k], default experts 0..top_k-1): under causal attention they influence no earlier position,
+    so no response log-prob depends on them.
+    """
+    if not samples:
+        raise ValueError("experts_to_batch: no samples")
+    _, n_layers, k = samples[0].shape
+    fill = torch.arange(k) if fill is None else fill.to(torch.long)
+    out = fill.view(1, 1, 1, k).expand(len(samples), seq_len, n_layers, k).clone()
+    for i, rows in enumerate(samples):
+        if rows.dim() != 3 or rows.shape[1:] != (n_layers, k):
+            raise ValueError(f"experts_to_batch: sample {i} has shape {tuple(rows.shape)}, expected [R, {n_layers}, {k}]")
+        if rows.shape[0] > seq_len:
+            raise ValueError(f"experts_to_batch: sample {i} has {rows.shape[0]} rows, more than seq_len={seq_len}")
+        rows = rows.to(torch.long)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_experts):
+            raise ValueError(f"experts_to_batch: sample {i} has expert ids outside [0, {num_experts}) "
+                             f"(min {int(rows.min())}, max {int(rows.max())}); NO_EXPERT rows cannot be replayed")
+        out[i, :rows.shape[0]] = rows
+    return out
+
+
+def to_router_order(experts_bs: Tensor, sequence_parallel_group=None) -> Tensor:
+    """[b, s, top_k] (one layer, caller layout) -> [s_local * b, top_k] int64: this TP rank's sequence-
+    parallel slice, sequence-major -- the token order of Megatron's router (and of RouterReplay's records)."""
+    seq_major = experts_bs.transpose(0, 1)
+    if sequence_parallel_group is not None and dist.get_world_size(sequence_parallel_group) > 1:
+        tp, rank = dist.get_world_size(sequence_parallel_group), dist.get_rank(sequence_parallel_group)
+        if seq_major.shape[0] % tp:
+            raise ValueError(f"to_router_order: sequence length {seq_major.shape[0]} not divisible by TP={tp} (sequence parallel)")
+        seq_major = seq_major.chunk(tp, dim=0)[rank]
+    return seq_major.reshape(-1, seq_major.shape[-1]).to(torch.long).contiguous()
+
+
+class RoutingReplay:
+    """Force given experts in the forwards run inside the ``with`` block (Megatron's RouterReplay).
+
+        replay = RoutingReplay(model, sequence_parallel_group=tp_group_if_sp)
+        with replay:
+            def forward_step(data_iterator, chunk):
+                mb = next(data_iterator)
+                replay.set_microbatch(mb["routed_experts"], chunk)   # [b, s, num_moe_layers, top_k]
+                return chunk(...), loss_func
+            forward_backward_func(...)
+
+    ``set_microbatch`` must run right before each micro-batch's forward of that model chunk (inside
+    forward_step is the place: the schedule calls it once per micro-batch and chunk, on every stage). The
+    tensor is in the caller's [b, s] layout -- split it over CP like the tokens (``split_for_cp(x, 1, ...)``);
+    sequence-parallel slicing and Megatron's sequence-major order are done here.
+
+    Forward: RouterReplayAction.REPLAY_FORWARD -- the router's top-k is replaced by the given ids; the
+    probabilities are the router's scores gathered at those ids, so the router still gets a gradient.
+    Backward: without activation recomputation nothing is re-routed (saved tensors are used). With it,
+    the recomputed forward runs inside the backward pass; a forward pre-hook then switches the router to
+    REPLAY_BACKWARD, which pops the targets in micro-batch order (backward runs micro-batches in forward
+    order in Megatron's schedules).
+    """
+
+    def __init__(self, model, *, sequence_parallel_group=None):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self._actions = RouterReplayAction
+        self._model = _chunks(model)
+        self._routers = enable_router_replay(self._model)
+        self._sp_group = sequence_parallel_group
+        self._handles: list = []
+        self._pending: dict[int, list[int]] = {}  # layer -> expected token counts of queued targets
+        config = next(iter(self._routers.values())).config if self._routers else None
+        self._moe_index = _moe_index(config) if config is not None else {}
+        self._num_experts = config.num_moe_experts if config is not None else 0
+
+    def __enter__(self) -> "RoutingReplay":
+        for layer, router in self._routers.items():
+            router.router_replay.clear_indices()
+            router.router_replay.set_router_replay_action(self._actions.REPLAY_FORWARD)
+            self._handles.append(router.register_forward_pre_hook(self._pre_hook(layer)))
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for router in self._routers.values():
+            router.router_replay.clear_router_replay_action()
+            router.router_replay.clear_indices()
+        self._pending.clear()
+
+    def _pre_hook(self, layer: int):
+        def hook(router, args):
+            replay = router.router_replay
+            if _in_backward():
+                replay.set_router_replay_action(self._actions.REPLAY_BACKWARD)
+                target = replay.replay_backward_list[0] if replay.replay_backward_list else None
+            else:
+                replay.set_router_replay_action(self._actions.REPLAY_FORWARD)
+                target = replay.target_topk_idx
+            hidden = args[0]
+            tokens = hidden.shape[0] * hidden.shape[1]
+            if target is None:
+                raise RuntimeError(f"RoutingReplay: layer {layer} ran a forward with no replay target; call "
+                                   "set_microbatch(experts, chunk) in forward_step before the model")
+            if target.shape[0] != tokens:
+                raise ValueError(f"RoutingReplay: layer {layer} routes {tokens} tokens ([s_local={hidden.shape[0]}, "
+                                 f"b={hidden.shape[1]}]) but the replay target has {target.shape[0]} rows; "
+                                 "the experts tensor must be [b, s, num_moe_layers, top_k] like input_ids (CP-split)")
+        return hook
+
+    def set_microbatch(self, experts: Tensor, model_chunk=None) -> None:
+        """Queue the experts of the next micro-batch for the routers of ``model_chunk`` (default: all chunks).
+
+        experts: [b, s, num_moe_layers, top_k] expert ids (``experts_to_batch``), CP-split like input_ids.
+        """
+        if experts.dim() != 4:
+            raise ValueError(f"RoutingReplay.set_microbatch: expected [b, s, num_moe_layers, top_k], got {tuple(experts.shape)}")
+        routers = self._routers if model_chunk is None else moe_routers(model_chunk)
+        for layer, router in routers.items():
+            if layer not in self._routers:
+                raise ValueError(f"RoutingReplay.set_microbatch: chunk has layer {layer} outside the replayed model")
+            j = self._moe_index[layer]
+            if j >= experts.shape[2]:
+                raise ValueError(f"RoutingReplay.set_microbatch: no experts for MoE layer {j} (global layer {layer}); "
+                                 f"got {experts.shape[2]} layers")
+            ids = to_router_order(experts[:, :, j], self._sp_group)
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._num_experts):
+                raise ValueError(f"RoutingReplay.set_microbatch: MoE layer {j} has expert ids outside [0, {self._num_experts})")
+            if ids.shape[1] > 1 and bool((ids.sort(dim=1).values.diff(dim=1) == 0).any()):
+                raise ValueError(f"RoutingReplay.set_microbatch: MoE layer {j} repeats an expert within a token")
+            router.router_replay.set_target_indices(ids.to(router.weight.device))
+
+
+def recorded_rows(routed: Iterable[Tensor], lengths: Sequence[Sequence[int]]) -> list[Tensor]:
+    """Split ``RoutingRecorder.routed_experts()`` into per-sample records (the R2 storage).
+
+    routed:  per forward [b, s, num_moe_layers, top_k];
+    lengths: per forward, the token count of each of its b rows (prompt + response).
+    Returns one [length, num_moe_layers, top_k] tensor per sample, forwards in order.
+    """
+    out = []
+    for batch, row_lengths in zip(routed, lengths, strict=True):
+        if batch.shape[0] != len(row_lengths):
+            raise ValueError(f"recorded_rows: a forward has {batch.shape[0]} rows but {len(row_lengths)} lengths")
+        out.extend(batch[row, :n].clone() for row, n in enumerate(row_lengths))
+    return out

@@ -1,0 +1,426 @@
+"""The GSPO loss inside Megatron-Core: micro-batches, forward_step / loss_func for
+``get_forward_backward_func``, global normalisers, the optimizer step, and no-grad log-prob forwards.
+
+Token alignment. A sequence is prompt + response, ``tokens[0:L]`` with the response at ``[P, L)``. The
+model reads all L tokens; the logit at position t predicts token t + 1, so the log-prob of response token
+j sits at position j - 1. Every per-token tensor of a micro-batch is laid out at those *label positions*
+([b, s], s >= L - 1 after padding), and ``loss_mask`` is True exactly on response-token positions.
+
+Normalisation. The loss of a mini-batch is a mean over *all* its sequences (GSPO, Eq. 7), so each
+micro-batch divides by the global counts (``LossNormalisers``) computed once per mini-batch with an
+all-reduce over the data-parallel group. Megatron then divides each micro-batch loss by the number of
+micro-batches and DDP averages gradients over DP ranks; ``loss_func`` multiplies both back, so the
+gradient is exactly that of the mini-batch loss however it is split (tested at TP/PP/EP/DP = 2).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.algorithms.config import LossConfig
+from gspo_megatron.algorithms.layout import LossNormalisers, padded_batch
+from gspo_megatron.algorithms.metrics import finalize_metrics, merge_metrics, METRICS
+from gspo_megatron.algorithms.policy import policy_loss
+from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
+from gspo_megatron.typed_config import check
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """Adam with decoupled weight decay, gradient-norm clipping and a warm-up + decay LR schedule."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay_steps: int = 0  # 0: constant after warm-up
+    decay_style: str = "constant"  # constant | linear | cosine
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def validate(self, path: str) -> None:
+        check(self.lr > 0, f"{path}.lr", f"must be > 0, got {self.lr}")
+        check(0 <= self.min_lr <= self.lr, f"{path}.min_lr", f"must be in [0, lr], got {self.min_lr}")
+        check(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0")
+        check(self.decay_steps >= 0, f"{path}.decay_steps", "must be >= 0")
+        check(self.decay_style in ("constant", "linear", "cosine"), f"{path}.decay_style",
+              f"must be constant, linear or cosine, got {self.decay_style!r}")
+        check(self.clip_grad >= 0, f"{path}.clip_grad", "must be >= 0 (0 disables clipping)")
+
+
+@dataclasses.dataclass
+class TrainSequence:
+    """One prompt + response for training.
+
+    tokens:           [L] int64, prompt then response;
+    prompt_len:       P (the response is tokens[P:]);
+    advantage:        A_i (GSPO / GRPO) -- or token_advantages [L - P] (GSPO-token);
+    old_logprobs, ref_logprobs, rollout_logprobs: [L - P] float32 per response token, optional.
+    """
+
+    tokens: torch.Tensor
+    prompt_len: int
+    advantage: float = 0.0
+    token_advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+
+    @property
+    def response_len(self) -> int:
+        return int(self.tokens.numel()) - self.prompt_len
+
+
+def pack_microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group sequence indices into micro-batches whose *padded* size (count x longest) stays within
+    ``max_tokens``: longest first, each into the first micro-batch it fits (first-fit decreasing).
+
+    A sequence longer than the budget gets a micro-batch of its own. Deterministic for given lengths.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    longest: list[int] = []
+    for i in order:
+        for b, members in enumerate(bins):
+            if (len(members) + 1) * max(longest[b], lengths[i]) <= max_tokens:
+                members.append(i)
+                longest[b] = max(longest[b], lengths[i])
+                break
+        else:
+            bins.append([i])
+            longest.append(lengths[i])
+    return bins
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return int(math.ceil(x / multiple) * multiple)
+
+
+PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "rollout_logprobs", "token_advantages")
+
+
+def present_fields(seqs: Sequence[TrainSequence]) -> tuple[str, ...]:
+    """The optional per-token fields every sequence of ``seqs`` carries."""
+    return tuple(name for name in PER_TOKEN_FIELDS if seqs and all(getattr(q, name) is not None for q in seqs))
+
+
+def collate(seqs: Sequence[TrainSequence], pad_multiple: int = 1, pad_id: int = 0, rows: int = 0,
+            min_len: int = 1, fields: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """Pad sequences into one micro-batch. Per-token tensors are at label positions (see module doc).
+
+    ``rows`` / ``min_len`` pad the batch to at least that many rows / positions (padding rows have an
+    all-False loss mask). Returns input_ids, position_ids, labels [b, s] int64; loss_mask [b, s] bool;
+    advantages [b] (or token_advantages [b, s]); old/ref/rollout_logprobs [b, s] when every sequence
+    has them.
+    """
+    s = _round_up(max([min_len] + [int(q.tokens.numel()) for q in seqs]), pad_multiple)
+    b = max(rows, len(seqs))
+    out = {
+        "input_ids": torch.full((b, s), pad_id, dtype=torch.long),
+        "labels": torch.full((b, s), pad_id, dtype=torch.long),
+        "loss_mask": torch.zeros((b, s), dtype=torch.bool),
+        "position_ids": torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
+    }
+    fields = present_fields(seqs) if fields is None else fields
+    per_token = {name: torch.zeros((b, s), dtype=torch.float32) for name in fields}
+    for row, q in enumerate(seqs):
+        n, p = int(q.tokens.numel()), q.prompt_len
+        out["input_ids"][row, :n] = q.tokens
+        out["labels"][row, :n - 1] = q.tokens[1:]
+        out["loss_mask"][row, p - 1:n - 1] = True
+        for name, tensor in per_token.items():
+            tensor[row, p - 1:n - 1] = getattr(q, name)
+    out.update(per_token)
+    if "token_advantages" not in per_token:
+        out["advantages"] = torch.zeros(b, dtype=torch.float32)
+        out["advantages"][:len(seqs)] = torch.tensor([q.advantage for q in seqs], dtype=torch.float32)
+    return out
+
+
+def causal_mask(seq_len: int) -> torch.Tensor:
+    """[1, 1, s, s] bool, True where attention is masked. Right padding needs nothing more: real tokens
+    never attend to later (padding) positions."""
+    return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool), diagonal=1)
+
+
+def _tp_info(model_config):
+    from megatron.core import parallel_state as ps
+
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    v_local = model_config.padded_vocab_size(tp_size) // tp_size
+    return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank() * v_local
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, model_config, with_entropy: bool,
+                   chunk_tokens: int = 1024):
+    """[b, s, V/TP] vocab-parallel logits -> log-probs (and entropy) of ``labels`` [b, s]."""
+    group, vocab_start = _tp_info(model_config)
+    b, s, v = logits.shape
+    logp, entropy = vocab_parallel_logprobs(logits.reshape(b * s, v), labels.reshape(-1), tp_group=group,
+                                            vocab_start=vocab_start, vocab_size=model_config.vocab_size,
+                                            chunk_tokens=chunk_tokens, with_entropy=with_entropy)
+    return logp.view(b, s), None if entropy is None else entropy.view(b, s)
+
+
+def global_normalisers(seqs: Sequence[TrainSequence], dp_group) -> LossNormalisers:
+    """Sequences with response tokens and response tokens of the whole mini-batch (all DP ranks)."""
+    counts = torch.tensor([sum(1.0 for q in seqs if q.response_len > 0), float(sum(q.response_len for q in seqs))],
+                          dtype=torch.float64)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(counts, group=dp_group)
+    return LossNormalisers(num_seqs=float(counts[0]), num_tokens=float(counts[1]))
+
+
+def _reduce_metrics(raw: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
+    """All-reduce raw metrics over ``group`` with each key's op (sums, mins, maxes)."""
+    if group is None or dist.get_world_size(group) == 1 or not raw:
+        return raw
+    ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    out = {}
+    for op_name, op in ops.items():
+        keys = sorted(k for k in raw if METRICS[k].op == op_name)
+        if not keys:
+            continue
+        stacked = torch.stack([raw[k].float() for k in keys])
+        dist.all_reduce(stacked, op=op, group=group)
+        out.update(zip(keys, stacked))
+    return out
+
+
+class PolicyModel:
+    """A Megatron GPTModel under DDP with its optimizer and LR schedule, and the GSPO update on it.
+
+    Process groups come from Megatron's parallel state, which ``initialize_model_parallel`` set up.
+    """
+
+    def __init__(self, model_config, parallel, optim: OptimizerConfig, loss: LossConfig,
+                 max_tokens_per_microbatch: int = 4096, logprob_chunk_tokens: int = 1024):
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from gspo_megatron.megatron.model import build_model, wrap_ddp
+
+        self.model_config, self.parallel, self.optim_config, self.loss_config = model_config, parallel, optim, loss
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.module = build_model(model_config, parallel)
+        self.module.config.variable_seq_lengths = True  # micro-batches differ in shape (packing)
+        self.ddp = wrap_ddp(self.module, parallel)
+        self.optimizer = get_megatron_optimizer(
+            MegatronOptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                                    adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                                    clip_grad=optim.clip_grad, params_dtype=torch.float32,
+                                    use_distributed_optimizer=parallel.distributed_optimizer),
+            [self.ddp])
+        decay_steps = max(optim.decay_steps, optim.warmup_steps + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+            lr_warmup_steps=optim.warmup_steps, lr_decay_steps=decay_steps,
+            lr_decay_style=optim.decay_style if optim.decay_steps else "constant",
+            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+        self.skipped_steps = 0
+
+    # ---- helpers -------------------------------------------------------------------------------
+    @property
+    def pad_multiple(self) -> int:
+        # sequence parallelism splits the sequence dimension over TP ranks
+        return self.parallel.tensor_parallel if self.parallel.use_sequence_parallel else 1
+
+    def _microbatches(self, seqs: Sequence[TrainSequence]) -> list[dict]:
+        """Pack this rank's sequences, then align the plan over the data-parallel group.
+
+        Expert parallelism spans DP ranks and every MoE forward is a collective over the EP group, so all
+        DP ranks must run the same number of micro-batches; the allgather dispatcher (CPU) also needs
+        equal token counts. Missing micro-batches and rows are padding (loss mask all False).
+        """
+        from megatron.core import parallel_state as ps
+
+        bins = pack_microbatches([int(q.tokens.numel()) for q in seqs], self.max_tokens_per_microbatch)
+        shapes = [(len(m), max(int(seqs[i].tokens.numel()) for i in m)) for m in bins]
+        group = ps.get_data_parallel_group()
+        if ps.get_data_parallel_world_size() > 1:
+            count = torch.tensor([len(bins)])
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+            shapes += [(1, 1)] * (int(count) - len(bins))
+            bins += [[] for _ in range(int(count) - len(bins))]
+            table = torch.tensor(shapes, dtype=torch.long)
+            dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
+            shapes = [tuple(int(x) for x in row) for row in table]
+        fields = present_fields(seqs)
+        return [dict(collate([seqs[i] for i in members], self.pad_multiple, rows=rows, min_len=length, fields=fields),
+                     indices=members) for members, (rows, length) in zip(bins, shapes)]
+
+    def _run(self, microbatches: list[dict], forward_step, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.ddp],
+            num_microbatches=len(microbatches), seq_length=max(m["input_ids"].shape[1] for m in microbatches),
+            micro_batch_size=max(m["input_ids"].shape[0] for m in microbatches), forward_only=forward_only)
+
+    # ---- no-grad forward: old-policy / reference log-probs ---------------------------------------
+    @torch.no_grad()
+    def compute_logprobs(self, seqs: Sequence[TrainSequence], with_entropy: bool = False) -> list[dict]:
+        """Per sequence, the response tokens' log-probs [L - P] (and entropy) under the current weights.
+
+        Results are broadcast from the last pipeline stage so every rank of the DP group gets them.
+        """
+        from megatron.core import parallel_state as ps
+
+        microbatches = self._microbatches(seqs)
+        collected: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb["input_ids"], mb["position_ids"], causal_mask(mb["input_ids"].shape[1]))
+
+            def loss_func(logits):
+                logp, entropy = token_logprobs(logits, mb["labels"], self.model_config, with_entropy,
+                                               self.logprob_chunk_tokens)
+                collected.append((mb["indices"], logp, entropy))
+                return logits.new_zeros(()), {}
+
+            return output, loss_func
+
+        self.ddp.eval()
+        self._run(microbatches, forward_step, forward_only=True)
+        self.ddp.train()
+        results: list[dict] = [dict() for _ in seqs]
+        if ps.is_pipeline_last_stage():
+            for indices, logp, entropy in collected:
+                for row, i in enumerate(indices):
+                    p, n = seqs[i].prompt_len, int(seqs[i].tokens.numel())
+                    results[i]["logprobs"] = logp[row, p - 1:n - 1].clone()
+                    if entropy is not None:
+                        results[i]["entropy"] = entropy[row, p - 1:n - 1].clone()
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            holder = [results]
+            dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
+                                       group=ps.get_pipeline_model_parallel_group())
+            results = holder[0]
+        return results
+
+    # ---- the update ------------------------------------------------------------------------------
+    def forward_backward(self, seqs: Sequence[TrainSequence], normalisers: LossNormalisers | None = None) -> dict:
+        """Accumulate the gradient of the mini-batch loss for this rank's share ``seqs``; returns the raw
+        metrics reduced over micro-batches and DP ranks."""
+        from megatron.core import parallel_state as ps
+
+        dp_group = ps.get_data_parallel_group()
+        dp = ps.get_data_parallel_world_size()
+        if normalisers is None:
+            normalisers = global_normalisers(seqs, dp_group)
+        microbatches = self._microbatches(seqs)
+        num_mb = len(microbatches)
+        need_entropy = self.loss_config.entropy_coef > 0
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb["input_ids"], mb["position_ids"], causal_mask(mb["input_ids"].shape[1]))
+
+            def loss_func(logits):
+                logp, entropy = token_logprobs(logits, mb["labels"], self.model_config, need_entropy,
+                                               self.logprob_chunk_tokens)
+                old = mb.get("old_logprobs")
+                if old is None:
+                    raise ValueError("forward_backward: every sequence needs old_logprobs (compute_logprobs first)")
+                advantages = mb["token_advantages"] if "token_advantages" in mb else mb["advantages"]
+                batch = padded_batch(logp, old, mb["loss_mask"], advantages, ref_logprobs=mb.get("ref_logprobs"),
+                                     entropy=entropy, rollout_logprobs=mb.get("rollout_logprobs"))
+                loss, metrics = policy_loss(self.loss_config, batch, normalisers)
+                # Megatron divides by the number of micro-batches and DDP averages over DP: undo both.
+                return loss * (num_mb * dp), metrics
+
+            return output, loss_func
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(microbatches, forward_step, forward_only=False)
+        raw = merge_metrics(outputs) if outputs else {}
+        return self._reduce_to_all(raw)
+
+    def _reduce_to_all(self, raw: dict) -> dict:
+        """Metrics live on the last pipeline stage: reduce over DP there, then share with every rank."""
+        from megatron.core import parallel_state as ps
+
+        raw = _reduce_metrics(raw, ps.get_data_parallel_group()) if ps.is_pipeline_last_stage() else raw
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            holder = [raw]
+            dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
+                                       group=ps.get_pipeline_model_parallel_group())
+            raw = holder[0]
+        return raw
+
+    def grads_finite(self) -> bool:
+        """True when every gradient on every rank is finite (one MIN all-reduce over the world)."""
+        flag = torch.ones(1)
+        for param in self.ddp.parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is not None and not torch.isfinite(grad).all():
+                flag.zero_()
+                break
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def optimizer_step(self) -> dict:
+        """Clip, step, advance the LR schedule. A non-finite gradient anywhere skips the update (counted)."""
+        if not self.grads_finite():
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            self.skipped_steps += 1
+            return {"update_skipped": 1.0, "grad_norm": float("nan"), "lr": self.current_lr()}
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            self.skipped_steps += 1
+        self.scheduler.step(increment=1)
+        return {"update_skipped": 0.0 if ok else 1.0, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+                "lr": self.current_lr()}
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def train_minibatch(self, seqs: Sequence[TrainSequence]) -> dict[str, float]:
+        """One optimizer step on this rank's share of a mini-batch: loss, backward, step. Returns the
+        finalised metrics (means) plus grad_norm, lr and update_skipped."""
+        raw = self.forward_backward(seqs)
+        step = self.optimizer_step()
+        metrics = {k: float(v) for k, v in finalize_metrics(raw).items()} if raw else {}
+        metrics.update(step)
+        return metrics
+
+    # ---- state -----------------------------------------------------------------------------------
+    def sharded_state_dict(self) -> dict:
+        """Model, optimizer and scheduler state for dist_checkpointing (loadable at another layout for the
+        model; the optimizer state reshards across DP)."""
+        model_state = self.module.sharded_state_dict(prefix="model.")
+        return {"model": model_state,
+                "optimizer": self.optimizer.sharded_state_dict(model_state),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict({k.removeprefix("model."): v for k, v in state["model"].items()}, strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def split_for_data_parallel(items: Sequence, dp_size: int, dp_rank: int) -> list:
+    """This DP rank's share of a mini-batch: a contiguous slice, sizes differing by at most one."""
+    n = len(items)
+    start = dp_rank * n // dp_size
+    stop = (dp_rank + 1) * n // dp_size
+    return list(items[start:stop])
+
+
+def iter_minibatches(items: Sequence, count: int) -> Iterable[list]:
+    """Split a rollout batch into ``count`` mini-batches of near-equal size, in order."""
+    n = len(items)
+    for k in range(count):
+        yield list(items[k * n // count:(k + 1) * n // count])

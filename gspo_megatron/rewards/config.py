@@ -1,0 +1,73 @@
+"""The ``rewards:`` config section."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from gspo_megatron.rewards.code import CodeRewardConfig
+from gspo_megatron.rewards.math import MathRewardConfig
+from gspo_megatron.typed_config import check
+
+BUILTIN_TERMS = ("math", "code", "synthetic")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclasses.dataclass
+class RewardTermConfig:
+    """One reward term. ``name`` is a built-in ("math", "code", "synthetic") or ``module:function``.
+
+    A custom function is ``f(sample: dict, response: str) -> float`` (or ``async def``), or with
+    ``batched: true`` ``f(samples: list[dict], responses: list[str]) -> list[float]`` (sync or async).
+    ``key`` names the term in metrics (default: the built-in name or the function name).
+    """
+
+    name: str
+    weight: float = 1.0
+    batched: bool = False
+    key: str | None = None
+
+    def validate(self, path: str) -> None:
+        check(self.name in BUILTIN_TERMS or bool(_IMPORT_PATH.match(self.name)), f"{path}.name",
+              f"must be one of {list(BUILTIN_TERMS)} or 'module.path:function', got {self.name!r}")
+        check(not (self.batched and self.name in BUILTIN_TERMS), f"{path}.batched",
+              "applies to custom functions only")
+        check(self.key is None or bool(re.fullmatch(r"[\w.-]+", self.key)), f"{path}.key",
+              "may contain letters, digits, '_', '.', '-' only")
+
+    @property
+    def metric_key(self) -> str:
+        return self.key or self.name.rsplit(":", 1)[-1]
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    """Reward = sum_k weight_k * term_k(sample, response), computed in a worker pool.
+
+    num_workers: reward processes (0 runs everything in the calling process, without timeouts).
+    timeout_s: per response; a response whose verifier takes longer scores 0 and is counted
+        (a batched term gets timeout_s times its batch length; an async chunk gets timeout_s + 5).
+    async_chunk_size: responses per task for async per-response functions (awaited concurrently).
+    startup_timeout_s: how long workers may take to start and import the reward functions.
+    """
+
+    terms: list[RewardTermConfig] = dataclasses.field(default_factory=lambda: [RewardTermConfig("math")])
+    num_workers: int = 2
+    timeout_s: float = 60.0
+    async_chunk_size: int = 32
+    startup_timeout_s: float = 120.0
+    math: MathRewardConfig = dataclasses.field(default_factory=MathRewardConfig)
+    code: CodeRewardConfig = dataclasses.field(default_factory=CodeRewardConfig)
+
+    def validate(self, path: str) -> None:
+        check(len(self.terms) > 0, f"{path}.terms", "needs at least one reward term")
+        keys = [t.metric_key for t in self.terms]
+        for i, k in enumerate(keys):
+            check(keys.index(k) == i, f"{path}.terms[{i}].key",
+                  f"metric key {k!r} is used twice; set a distinct 'key'")
+        check(self.num_workers >= 0, f"{path}.num_workers", "must be >= 0")
+        check(self.timeout_s > 0, f"{path}.timeout_s", "must be > 0")
+        check(self.async_chunk_size >= 1, f"{path}.async_chunk_size", "must be >= 1")
+        check(self.startup_timeout_s > 0, f"{path}.startup_timeout_s", "must be > 0")
+
+
+__all__ = ["BUILTIN_TERMS", "RewardConfig", "RewardTermConfig"]

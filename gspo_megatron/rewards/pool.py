@@ -1,0 +1,293 @@
+"""Score (prompt sample, response) pairs with the configured reward terms in a pool of worker processes.
+
+    pool = RewardPool(build(RewardConfig, yaml["rewards"], "rewards"))
+    rewards, metrics = pool.score([(sample, response_text), ...])   # rewards: list[float], one per pair
+    pool.close()
+
+Each response gets ``sum_k weight_k * r_k`` over the terms. A verifier that raises, returns a
+non-number, hangs past ``timeout_s`` or kills its worker scores 0 for that term and is counted in the
+metrics (``rewards/<term>/errors``, ``rewards/<term>/timeouts``, ``rewards/worker_restarts``); the
+pool replaces dead or killed workers. Nothing a verifier does propagates to the caller; only a broken
+set-up (an import path that does not resolve, a sandbox that cannot run) raises, at construction.
+
+Workers are fresh interpreters started with ``subprocess`` (the equivalent of a 'spawn' context, but
+without re-importing the trainer's ``__main__``), so they start in well under a second and never load
+torch unless a custom reward does.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any, Sequence
+
+from gspo_megatron.rewards.config import RewardConfig
+from gspo_megatron.rewards.sandbox import probe_isolation
+from gspo_megatron.rewards.terms import Item, Outcome, RewardSetupError, build_terms, evaluate
+from gspo_megatron.rewards.types import sample_mapping
+
+log = logging.getLogger(__name__)
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_BOOT = "from gspo_megatron.rewards.worker import main; main({}, {})"
+_ASYNC_GRACE_S = 5.0
+
+
+@dataclasses.dataclass
+class _Task:
+    task_id: int
+    term_index: int
+    indices: list[int]  # positions in the batch
+    deadline_s: float  # seconds the worker may spend on it
+
+
+@dataclasses.dataclass
+class _Worker:
+    proc: subprocess.Popen
+    inbox: Connection  # we send
+    outbox: Connection  # we receive
+    started_at: float
+    ready: bool = False
+    task: _Task | None = None
+    task_deadline: float = 0.0
+
+
+def _kill(worker: _Worker) -> None:
+    """SIGKILL the worker's process group (it is a session leader): custom rewards' children die too;
+    sandboxes have their own death signal."""
+    try:
+        os.killpg(worker.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # already gone
+    worker.proc.wait()
+    worker.inbox.close()
+    worker.outbox.close()
+
+
+def _shutdown(workers: list[_Worker]) -> None:
+    for w in workers:
+        if w.proc.poll() is None:
+            try:
+                w.inbox.send(("close",))
+            except (BrokenPipeError, OSError):
+                pass  # it died on its own; killed below anyway
+    deadline = time.monotonic() + 2.0
+    for w in workers:
+        try:
+            w.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass  # killed next
+        _kill(w)
+    workers.clear()
+
+
+class RewardPool:
+    """Scores batches with the terms of ``cfg``; see the module docstring."""
+
+    def __init__(self, cfg: RewardConfig):
+        self.cfg = cfg
+        self.isolation: dict[str, Any] | None = None
+        if any(t.name == "code" for t in cfg.terms):
+            self.isolation = probe_isolation(cfg.code.sandbox)
+            log.info("code sandbox isolation: %s", self.isolation)
+        self._local_terms = build_terms(cfg) if cfg.num_workers == 0 else None
+        self._workers: list[_Worker] = []
+        self._term_kinds: list[tuple[bool, bool]] = (
+            [(t.is_async, t.batched) for t in self._local_terms] if self._local_terms is not None else [])
+        self._next_task_id = 0
+        self.recent_errors: collections.deque[str] = collections.deque(maxlen=20)
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+        if cfg.num_workers:
+            self._workers.extend(self._spawn() for _ in range(cfg.num_workers))
+            deadline = time.monotonic() + cfg.startup_timeout_s
+            while not all(w.ready for w in self._workers):
+                self._receive(max(0.0, deadline - time.monotonic()), {}, collections.Counter())
+                if time.monotonic() > deadline and not all(w.ready for w in self._workers):
+                    self.close()
+                    raise RewardSetupError(f"rewards: workers did not start within {cfg.startup_timeout_s} s")
+
+    # -- workers ------------------------------------------------------------------------------------
+    def _spawn(self) -> _Worker:
+        to_worker_r, to_worker_w = os.pipe()
+        from_worker_r, from_worker_w = os.pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env.setdefault("OMP_NUM_THREADS", "1")  # a reward that imports numpy must not grab every core
+        proc = subprocess.Popen([sys.executable, "-c", _BOOT.format(to_worker_r, from_worker_w)],
+                                pass_fds=(to_worker_r, from_worker_w), stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+        os.close(to_worker_r)
+        os.close(from_worker_w)
+        worker = _Worker(proc, Connection(to_worker_w, readable=False), Connection(from_worker_r, writable=False),
+                         started_at=time.monotonic())
+        worker.inbox.send(("init", self.cfg, list(sys.path)))
+        return worker
+
+    def _replace(self, worker: _Worker) -> None:
+        _kill(worker)
+        self._workers[self._workers.index(worker)] = self._spawn()
+
+    # -- scoring ------------------------------------------------------------------------------------
+    def _plan(self, n: int) -> list[_Task]:
+        tasks = []
+        for k, (is_async, batched) in enumerate(self._term_kinds):
+            if batched:
+                size = max(1, -(-n // max(1, self.cfg.num_workers)))
+            elif is_async:
+                size = self.cfg.async_chunk_size
+            else:
+                size = 1
+            for start in range(0, n, size):
+                indices = list(range(start, min(n, start + size)))
+                if batched:
+                    deadline = self.cfg.timeout_s * len(indices)
+                elif is_async:
+                    deadline = self.cfg.timeout_s + _ASYNC_GRACE_S
+                else:
+                    deadline = self.cfg.timeout_s
+                tasks.append(_Task(self._next_task_id, k, indices, deadline))
+                self._next_task_id += 1
+        return tasks
+
+    def _receive(self, timeout_s: float, results: dict[int, list[Outcome]], stats: collections.Counter) -> None:
+        """Wait up to ``timeout_s`` for messages and handle them; dead workers are replaced."""
+        by_outbox = {w.outbox: w for w in self._workers}
+        for conn in wait(list(by_outbox), timeout=timeout_s):
+            worker = by_outbox[conn]
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                code = worker.proc.poll()
+                if worker.task is not None:
+                    task = worker.task
+                    results[task.task_id] = [Outcome(None, f"reward worker died (exit code {code})")] * len(task.indices)
+                elif not worker.ready:
+                    self.close()
+                    raise RewardSetupError(f"rewards: a worker died while starting (exit code {code})")
+                stats["worker_restarts"] += 1
+                self._replace(worker)
+                continue
+            if message[0] == "ready":
+                worker.ready = True
+                self._term_kinds = message[1]
+            elif message[0] == "init_error":
+                self.close()
+                raise RewardSetupError(f"rewards: a worker could not build the reward terms:\n{message[1]}")
+            else:
+                _, task_id, outcomes = message
+                results[task_id] = outcomes
+                worker.task = None
+
+    def _run_in_workers(self, items: list[Item], tasks: list[_Task], stats: collections.Counter) -> dict[int, list[Outcome]]:
+        pending = collections.deque(tasks)
+        results: dict[int, list[Outcome]] = {}
+        while len(results) < len(tasks):
+            now = time.monotonic()
+            for worker in self._workers:
+                if worker.ready and worker.task is None and pending:
+                    task = pending.popleft()
+                    worker.task = task
+                    worker.task_deadline = now + task.deadline_s
+                    worker.inbox.send(("task", task.task_id, task.term_index, [items[i] for i in task.indices],
+                                       self.cfg.timeout_s))
+            busy = [w.task_deadline for w in self._workers if w.task is not None]
+            starting = [w.started_at + self.cfg.startup_timeout_s for w in self._workers if not w.ready]
+            next_deadline = min(busy + starting, default=now + 1.0)
+            self._receive(max(0.0, next_deadline - time.monotonic()), results, stats)
+            now = time.monotonic()
+            for worker in list(self._workers):
+                if worker.task is not None and now > worker.task_deadline:
+                    task = worker.task
+                    results[task.task_id] = [Outcome(None, f"timed out after {task.deadline_s:.1f} s",
+                                                     timed_out=True)] * len(task.indices)
+                    stats["worker_restarts"] += 1
+                    self._replace(worker)
+                elif not worker.ready and now > worker.started_at + self.cfg.startup_timeout_s:
+                    self.close()
+                    raise RewardSetupError(f"rewards: a replacement worker did not start within "
+                                           f"{self.cfg.startup_timeout_s} s")
+        return results
+
+    def score(self, batch: Sequence[tuple[Any, str]]) -> tuple[list[float], dict[str, float]]:
+        """Rewards for ``batch`` = [(prompt sample, response text), ...] and step metrics.
+
+        A prompt sample is a mapping (or a dataclass such as ``data.PromptSample``) with the fields the
+        terms read: ``answer`` (math, synthetic), ``tests`` (code), ``meta`` (synthetic), or anything a
+        custom function wants. Returns ``(rewards, metrics)`` with ``len(rewards) == len(batch)``.
+        """
+        if self._finalizer.alive is False:
+            raise RuntimeError("RewardPool.score called after close()")
+        start = time.monotonic()
+        items: list[Item] = [(dict(sample_mapping(s)), r) for s, r in batch]
+        stats: collections.Counter = collections.Counter()
+        tasks = self._plan(len(items))
+        if self._local_terms is not None:
+            results = {t.task_id: evaluate(self._local_terms[t.term_index], [items[i] for i in t.indices],
+                                           self.cfg.timeout_s) for t in tasks}
+        else:
+            results = self._run_in_workers(items, tasks, stats)
+        return self._combine(items, tasks, results, stats, time.monotonic() - start)
+
+    def _combine(self, items: list[Item], tasks: list[_Task], results: dict[int, list[Outcome]],
+                 stats: collections.Counter, elapsed_s: float) -> tuple[list[float], dict[str, float]]:
+        n = len(items)
+        per_term = [[0.0] * n for _ in self.cfg.terms]
+        metrics: dict[str, float] = {}
+        counts: collections.Counter = collections.Counter()
+        for task in tasks:
+            key = self.cfg.terms[task.term_index].metric_key
+            for i, outcome in zip(task.indices, results[task.task_id]):
+                if outcome.verdict is not None:
+                    per_term[task.term_index][i] = outcome.verdict.reward
+                    for tag in outcome.verdict.tags:
+                        counts[f"rewards/{key}/{tag}"] += 1
+                elif outcome.timed_out:
+                    counts[f"rewards/{key}/timeouts"] += 1
+                    self.recent_errors.append(f"{key}: {outcome.error}")
+                else:
+                    counts[f"rewards/{key}/errors"] += 1
+                    self.recent_errors.append(f"{key}: {outcome.error}")
+        totals = [sum(t.weight * per_term[k][i] for k, t in enumerate(self.cfg.terms)) for i in range(n)]
+        for k, term in enumerate(self.cfg.terms):
+            key = term.metric_key
+            metrics[f"rewards/{key}/mean"] = sum(per_term[k]) / n if n else 0.0
+            metrics[f"rewards/{key}/errors"] = float(counts.pop(f"rewards/{key}/errors", 0))
+            metrics[f"rewards/{key}/timeouts"] = float(counts.pop(f"rewards/{key}/timeouts", 0))
+        metrics.update({k: float(v) for k, v in counts.items()})
+        metrics["rewards/mean"] = sum(totals) / n if n else 0.0
+        metrics["rewards/errors"] = sum(metrics[f"rewards/{t.metric_key}/errors"] for t in self.cfg.terms)
+        metrics["rewards/timeouts"] = sum(metrics[f"rewards/{t.metric_key}/timeouts"] for t in self.cfg.terms)
+        metrics["rewards/worker_restarts"] = float(stats["worker_restarts"])
+        metrics["rewards/time_s"] = elapsed_s
+        if metrics["rewards/errors"] or metrics["rewards/timeouts"]:
+            log.warning("rewards: %d errors, %d timeouts in a batch of %d; latest: %s", metrics["rewards/errors"],
+                        metrics["rewards/timeouts"], n, self.recent_errors[-1] if self.recent_errors else "")
+        return totals, metrics
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def build_reward_pool(cfg: RewardConfig) -> RewardPool:
+    return RewardPool(cfg)
+
+
+__all__ = ["RewardPool", "build_reward_pool"]

@@ -1,0 +1,144 @@
+"""Resolve configured reward terms to callables, and evaluate one task of a term.
+
+This module is what a reward worker runs; it is also used in-process when ``num_workers: 0``.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import importlib
+import inspect
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+from gspo_megatron.rewards.config import RewardConfig, RewardTermConfig
+from gspo_megatron.rewards.types import Verdict
+
+Item = tuple[Mapping[str, Any], str]  # (prompt sample as a dict, response text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One response's result for one term: a Verdict, or an error message (scored 0, counted)."""
+
+    verdict: Verdict | None
+    error: str | None = None
+    timed_out: bool = False
+
+
+@dataclasses.dataclass
+class Term:
+    key: str
+    weight: float
+    fn: Callable[..., Any]
+    is_async: bool
+    batched: bool
+
+
+class RewardSetupError(RuntimeError):
+    """A reward term cannot be built (bad import path, not callable, ...): raised at start-up."""
+
+
+def import_function(path: str, where: str) -> Callable[..., Any]:
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise RewardSetupError(f"{where}: cannot import module {module_name!r}: {err}") from err
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise RewardSetupError(f"{where}: {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+def build_term(term: RewardTermConfig, cfg: RewardConfig, where: str) -> Term:
+    if term.name == "math":
+        import math_verify  # noqa: F401  (load sympy now, not on the first response's clock)
+
+        from gspo_megatron.rewards.math import math_reward
+
+        fn: Callable[..., Any] = functools.partial(math_reward, cfg=cfg.math)
+    elif term.name == "code":
+        from gspo_megatron.rewards.code import code_reward
+
+        fn = functools.partial(code_reward, cfg=cfg.code)
+    elif term.name == "synthetic":
+        from gspo_megatron.rewards.synthetic import synthetic_reward
+
+        fn = synthetic_reward
+    else:
+        fn = import_function(term.name, f"{where}.name")
+    # a callable object with ``async def __call__`` counts as async too
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+    return Term(term.metric_key, term.weight, fn, is_async, term.batched)
+
+
+def build_terms(cfg: RewardConfig, where: str = "rewards") -> list[Term]:
+    return [build_term(t, cfg, f"{where}.terms[{i}]") for i, t in enumerate(cfg.terms)]
+
+
+def _as_verdict(value: Any) -> Verdict:
+    if isinstance(value, Verdict):
+        verdict = value
+    elif isinstance(value, (bool, int, float)):
+        verdict = Verdict(float(value))
+    else:
+        raise TypeError(f"a reward function must return a number, got {type(value).__name__}")
+    if not math.isfinite(verdict.reward):
+        raise ValueError(f"a reward function returned {verdict.reward}")
+    return verdict
+
+
+def _error(err: BaseException) -> Outcome:
+    return Outcome(None, f"{type(err).__name__}: {err}"[:500])
+
+
+async def _one_async(term: Term, item: Item, timeout_s: float) -> Outcome:
+    try:
+        return Outcome(_as_verdict(await asyncio.wait_for(term.fn(*item), timeout_s)))
+    except asyncio.TimeoutError:
+        return Outcome(None, f"timed out after {timeout_s} s", timed_out=True)
+    except Exception as err:  # a failing reward scores 0 and is counted, it never stops training
+        return _error(err)
+
+
+async def _many_async(term: Term, items: Sequence[Item], timeout_s: float) -> list[Outcome]:
+    return list(await asyncio.gather(*(_one_async(term, item, timeout_s) for item in items)))
+
+
+def _batched(term: Term, items: Sequence[Item], timeout_s: float) -> list[Outcome]:
+    samples, responses = [s for s, _ in items], [r for _, r in items]
+    try:
+        if term.is_async:
+            values = asyncio.run(asyncio.wait_for(term.fn(samples, responses), timeout_s * len(items)))
+        else:
+            values = term.fn(samples, responses)
+        values = list(values)
+        if len(values) != len(items):
+            raise ValueError(f"batched reward returned {len(values)} values for {len(items)} responses")
+        return [Outcome(_as_verdict(v)) for v in values]
+    except asyncio.TimeoutError:
+        return [Outcome(None, "batch timed out", timed_out=True)] * len(items)
+    except Exception as err:  # the whole batch scores 0 and is counted
+        return [_error(err)] * len(items)
+
+
+def evaluate(term: Term, items: Sequence[Item], timeout_s: float) -> list[Outcome]:
+    """Run ``term`` on ``items``. Exceptions become error outcomes; async calls get ``timeout_s`` each.
+    Synchronous per-response calls have no timeout here: the pool enforces it by killing the worker."""
+    if term.batched:
+        return _batched(term, items, timeout_s)
+    if term.is_async:
+        return asyncio.run(_many_async(term, items, timeout_s))
+    outcomes = []
+    for item in items:
+        try:
+            outcomes.append(Outcome(_as_verdict(term.fn(*item))))
+        except Exception as err:  # a failing reward scores 0 and is counted, it never stops training
+            outcomes.append(_error(err))
+    return outcomes
+
+
+__all__ = ["Item", "Outcome", "RewardSetupError", "Term", "build_term", "build_terms", "evaluate",
+           "import_function"]

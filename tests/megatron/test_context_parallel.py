@@ -1,0 +1,98 @@
+"""Context parallelism, the project's part: token split (Megatron's and TE's layouts) and the autograd-aware
+all-reduce of per-sequence sums. Pure index tests, then one spawn of two gloo ranks (CP = 2) compared with
+the unsplit computation (``routing_workers.context_parallel_checks``)."""
+import pytest
+import torch
+
+from gspo_megatron.megatron import context_parallel as cp
+from gspo_megatron.testing.distributed import run_distributed
+from tests.megatron.routing_workers import context_parallel_checks
+
+ALGORITHMS = ["gspo", "gspo_token", "grpo"]
+
+
+def test_chunk_indices_pair_early_and_late_chunks():
+    assert cp.cp_chunk_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert cp.cp_chunk_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert cp.cp_chunk_indices(12, 3, 1).tolist() == [2, 3, 8, 9]
+    assert cp.cp_chunk_indices(6, 1, 0).tolist() == list(range(6))
+    with pytest.raises(ValueError, match="multiple of 2 \\* cp_size = 4"):
+        cp.cp_chunk_indices(6, 2, 0)
+    with pytest.raises(ValueError, match="cp_rank < cp_size"):
+        cp.cp_chunk_indices(8, 2, 2)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
+def test_split_partitions_and_unsplit_inverts(cp_size):
+    seq = 8 * cp_size
+    x = torch.randn(3, seq, 5)
+    shards = [cp.split_for_cp(x, 1, cp_size, r) for r in range(cp_size)]
+    covered = torch.cat([cp.cp_chunk_indices(seq, cp_size, r) for r in range(cp_size)]).sort().values
+    assert covered.tolist() == list(range(seq))  # every position exactly once
+    assert torch.equal(cp.unsplit_from_cp(shards, 1), x)
+
+
+def test_packed_split_follows_the_thd_rule():
+    cu = torch.tensor([0, 3, 8, 9])
+    cu_padded = cp.pad_cu_seqlens_for_cp(cu, 2)
+    assert cu_padded.tolist() == [0, 4, 12, 16]  # lengths 3, 5, 1 rounded up to multiples of 4
+    stream = cp.pad_packed(torch.arange(9), 0, cu, cu_padded, fill=-1)
+    assert stream.tolist() == [0, 1, 2, -1, 3, 4, 5, 6, 7, -1, -1, -1, 8, -1, -1, -1]
+    # per sequence, rank r holds chunks r and 2CP-1-r of length L_i / 4
+    assert cp.packed_cp_indices(cu_padded, 2, 0).tolist() == [0, 3, 4, 5, 10, 11, 12, 15]
+    assert cp.packed_cp_indices(cu_padded, 2, 1).tolist() == [1, 2, 6, 7, 8, 9, 13, 14]
+    shards = [cp.split_for_cp(stream, 0, 2, r, cu_seqlens_padded=cu_padded) for r in range(2)]
+    assert torch.equal(cp.unsplit_from_cp(shards, 0, cu_seqlens_padded=cu_padded), stream)
+    with pytest.raises(ValueError, match="multiple of 2 \\* cp_size"):
+        cp.packed_cp_indices(cu, 2, 0)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(context_parallel_checks, 2, ())
+
+
+@pytest.mark.distributed
+def test_split_equals_megatrons_get_batch_on_this_cp_rank(runs):
+    for out in runs:
+        assert out["cp_size"] == 2
+        assert out["split_matches_megatron"] == {k: True for k in out["split_matches_megatron"]}
+        assert out["gather_restores"] and out["packed"]["tokens_restored"]
+    assert {out["cp_rank"] for out in runs} == {0, 1}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_cp_loss_and_token_gradients_equal_unsplit(runs, layout, algorithm):
+    for out in runs:
+        r = out[layout][algorithm]
+        torch.testing.assert_close(r["loss_sum"], r["ref_loss"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(r["grad"], r["ref_grad_split"], rtol=1e-5, atol=1e-8)
+    # the gradient is not trivially zero on either rank
+    assert all(out[layout][algorithm]["grad"].abs().sum() > 0 for out in runs)
+
+
+@pytest.mark.distributed
+def test_gathered_gradient_is_the_full_gradient(runs):
+    for out in runs:
+        r = out["padded"]["gspo"]
+        torch.testing.assert_close(r["grad_gathered"], r["ref_grad"], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.distributed
+def test_identity_backward_would_be_wrong(runs):
+    """With share-weighted per-rank losses the adjoint of the all-reduce must be an all-reduce: an
+    identity backward scales each rank's GSPO gradient by its share of the sequence's tokens."""
+    for out in runs:
+        r = out["padded"]["gspo"]
+        assert (r["identity_backward_grad"] - r["ref_grad_split"]).abs().max() > 1e-4
+
+
+@pytest.mark.distributed
+def test_parameter_gradient_summed_over_cp_equals_unsplit(runs):
+    for out in runs:
+        p = out["param"]
+        assert p["ref"].abs().sum() > 0
+        torch.testing.assert_close(p["summed"], p["ref"], rtol=1e-5, atol=1e-7)
+        assert (p["local"] - p["ref"]).abs().max() > 1e-4  # one rank alone holds only part of it

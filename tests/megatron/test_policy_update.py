@@ -1,0 +1,102 @@
+"""The GSPO loss inside Megatron's forward_backward_func: one mini-batch gives the same gradient at every
+parallel layout and every micro-batch split, and the no-grad log-prob forward matches a plain one."""
+import pytest
+import torch
+
+from gspo_megatron.megatron.logprobs import naive_logprobs
+from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.testing.models import tiny_moe_config
+from tests.megatron.train_workers import all_layouts, make_sequences, microbatch_splits
+
+GSPO = {"algorithm": "gspo"}
+PARALLEL = ["tp2", "pp2", "ep2", "dp2"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cfg = tiny_moe_config()
+    single = run_distributed(all_layouts, 1, (cfg, ["single"], GSPO, 2))[0]["single"]
+    splits = run_distributed(microbatch_splits, 1, (cfg, [8, 24, 4096], GSPO))[0]
+    return single, splits
+
+
+@pytest.fixture(scope="module")
+def parallel_runs():
+    return run_distributed(all_layouts, 2, (tiny_moe_config(), PARALLEL + ["dp2_distopt"], GSPO, 2))
+
+
+def test_gradient_is_not_trivial(reference):
+    single, _ = reference
+    assert single["metrics"]["seqs"] == 6 and single["metrics"]["tokens"] > 6
+    # perturbed old log-probs: the GSPO clip (3e-4 / 4e-4) is active for some sequences, not all
+    clipped = single["metrics"]["clip_low_seqs"] + single["metrics"]["clip_high_seqs"]
+    assert 0 < clipped < 6
+    assert sum(g.abs().sum() for g in single["grads"].values()) > 0
+
+
+def test_microbatch_split_does_not_change_the_gradient(reference):
+    single, splits = reference
+    for budget, out in splits.items():
+        for name, grad in single["grads"].items():
+            torch.testing.assert_close(out["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=f"budget {budget} {name}")
+        assert out["metrics"]["seqs"] == 6
+
+
+@pytest.mark.parametrize("layout", PARALLEL)
+def test_parallel_layout_gives_the_single_process_gradient(reference, parallel_runs, layout):
+    single, _ = reference
+    for rank in range(2):
+        out = parallel_runs[rank][layout]
+        for a, b in zip(out["old"], single["old"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+        for name, grad in single["grads"].items():
+            torch.testing.assert_close(out["grads"][name], grad, rtol=1e-3, atol=1e-6, msg=f"{layout} {name}")
+        for key in ("seqs", "tokens", "loss", "clip_low_seqs", "clip_high_seqs"):
+            assert out["metrics"][key] == pytest.approx(single["metrics"][key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("layout", PARALLEL + ["dp2_distopt"])
+def test_optimizer_steps_match(reference, parallel_runs, layout):
+    """Two Adam steps (clipping included) leave the same weights at every layout, also with the
+    distributed optimizer, whose gradients are sharded and so only comparable through the weights."""
+    single, _ = reference
+    out = parallel_runs[0][layout]
+    assert [s["update_skipped"] for s in out["steps"]] == [0.0, 0.0]
+    for a, b in zip(out["steps"], single["steps"]):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
+    for name, w in single["weights"].items():
+        torch.testing.assert_close(out["weights"][name], w, rtol=1e-3, atol=2e-5, msg=f"{layout} {name}")
+
+
+def test_old_logprobs_match_a_plain_forward(reference):
+    """compute_logprobs (micro-batched, padded, vocab-parallel) == log_softmax of the same model run
+    sequence by sequence without padding."""
+    from gspo_megatron.testing.distributed import run_distributed as run
+    from tests.megatron.train_workers import make_sequences as _  # noqa: F401 (same sequences as the worker)
+
+    single, _ = reference
+    plain = run(_plain_logprobs, 1, (tiny_moe_config(),))[0]
+    for got, want, h_got, h_want in zip(single["old"], plain["logp"], single["entropy"], plain["entropy"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(h_got, h_want, rtol=0, atol=1e-4)
+
+
+def _plain_logprobs(rank, world_size, cfg):
+    from gspo_megatron.megatron import sharding
+    from gspo_megatron.megatron.model import build_model
+    from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
+    from gspo_megatron.megatron.train import causal_mask
+    from gspo_megatron.testing.models import canonical_weights
+
+    initialize_model_parallel(ParallelConfig())
+    model = build_model(cfg, ParallelConfig())
+    sharding.load_full_state_dict(model, canonical_weights(cfg, seed=1))
+    out = {"logp": [], "entropy": []}
+    with torch.no_grad():
+        for q in make_sequences(cfg):
+            n = q.tokens.numel()
+            logits = model(q.tokens[None], torch.arange(n)[None], causal_mask(n))[0]
+            lp, h = naive_logprobs(logits[q.prompt_len - 1:n - 1], q.tokens[q.prompt_len:], with_entropy=True)
+            out["logp"].append(lp)
+            out["entropy"].append(h)
+    return out

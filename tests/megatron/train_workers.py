@@ -1,0 +1,73 @@
+"""Spawned-rank functions for the GSPO-in-Megatron tests."""
+from __future__ import annotations
+
+import torch
+
+from gspo_megatron.algorithms.config import LossConfig
+from gspo_megatron.megatron import sharding
+from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
+from gspo_megatron.megatron.train import OptimizerConfig, PolicyModel, TrainSequence, split_for_data_parallel
+from gspo_megatron.testing.models import canonical_weights
+
+LAYOUTS = {
+    "single": ParallelConfig(),
+    "tp2": ParallelConfig(tensor_parallel=2),
+    "pp2": ParallelConfig(pipeline_parallel=2),
+    "ep2": ParallelConfig(expert_parallel=2),
+    "dp2": ParallelConfig(),
+    "dp2_distopt": ParallelConfig(distributed_optimizer=True),
+}
+
+
+def make_sequences(model_config, count: int = 6, seed: int = 0) -> list[TrainSequence]:
+    """Prompts of 3-5 tokens, responses of 1-9 tokens, advantages of both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(count):
+        p = 3 + i % 3
+        r = 1 + (i * 5) % 9
+        tokens = torch.randint(0, model_config.vocab_size, (p + r,), generator=gen)
+        seqs.append(TrainSequence(tokens=tokens, prompt_len=p, advantage=float(torch.randn((), generator=gen))))
+    return seqs
+
+
+def policy_step(rank, world_size, model_config, layout: str, loss: dict, max_tokens: int = 4096,
+                optimizer_steps: int = 0) -> dict:
+    """Old log-probs by a no-grad forward (then perturbed, so ratios differ from 1 and some clip), the GSPO
+    gradient of one mini-batch, and optionally a few optimizer steps; everything gathered to full shapes."""
+    from megatron.core import parallel_state as ps
+
+    parallel = LAYOUTS[layout]
+    initialize_model_parallel(parallel, seed=0)
+    policy = PolicyModel(model_config, parallel, OptimizerConfig(lr=1e-2), LossConfig(**loss),
+                         max_tokens_per_microbatch=max_tokens)
+    sharding.load_full_state_dict(policy.module, canonical_weights(model_config, seed=1))
+    seqs = make_sequences(model_config)
+    olds = policy.compute_logprobs(seqs, with_entropy=True)
+    gen = torch.Generator().manual_seed(5)
+    for i, (q, old) in enumerate(zip(seqs, olds)):
+        # sequences 0 and 1 move 1% in the direction of their advantage: clipped (no gradient);
+        # the rest stay inside the 3e-4 / 4e-4 range: unclipped, with ratios != 1
+        shift = -0.01 * (1.0 if q.advantage > 0 else -1.0) if i < 2 else 0.0
+        q.old_logprobs = old["logprobs"] + shift + 1e-4 * torch.randn(q.response_len, generator=gen)
+    mine = split_for_data_parallel(seqs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+    raw = policy.forward_backward(mine)
+    result = {"old": [o["logprobs"] for o in olds], "entropy": [o["entropy"] for o in olds],
+              "grads": sharding.full_state_dict(policy.ddp, model_config.vocab_size, grads=True),
+              "metrics": {k: float(v) for k, v in raw.items()}}
+    steps = []
+    for _ in range(optimizer_steps):
+        steps.append(policy.optimizer_step())
+        policy.forward_backward(mine)
+    result["steps"] = steps
+    result["weights"] = sharding.full_state_dict(policy.module, model_config.vocab_size)
+    return result
+
+
+def all_layouts(rank, world_size, model_config, layouts, loss, optimizer_steps=0) -> dict:
+    return {name: policy_step(rank, world_size, model_config, name, loss, optimizer_steps=optimizer_steps)
+            for name in layouts}
+
+
+def microbatch_splits(rank, world_size, model_config, budgets, loss) -> dict:
+    return {b: policy_step(rank, world_size, model_config, "single", loss, max_tokens=b) for b in budgets}

@@ -1,0 +1,342 @@
+"""SGLangEngine against local stand-in servers (tests/rollout/sglang_standin.py: NOT SGLang, 127.0.0.1 only):
+routing and grouping, retries, restart of dead servers, the three weight-sync modes' requests, memory
+release. What a real SGLang server does with these requests is tested only in test_sglang_gpu.py."""
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo_megatron.rollout import sglang_engine as engine_mod
+from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.rollout.sglang_config import SGLangConfig
+from gspo_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineError, attach_servers, launch_servers
+from gspo_megatron.typed_config import ConfigError, build
+
+from sglang_standin import StandinServer, StandinState, free_port
+
+STANDIN = str(Path(__file__).with_name("sglang_standin.py"))
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
+PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=[3])
+
+
+def _cfg(**overrides):
+    base = {"urls": [], "backoff_s": 0.01, "backoff_max_s": 0.02, "max_retries": 3, "prompts_per_request": 2,
+            "health_timeout_s": 2.0, "attach_timeout_s": 5.0}
+    base.update(overrides)
+    return build(SGLangConfig, base, "rollout.sglang")
+
+
+def _attach(servers, **overrides):
+    cfg = _cfg(urls=[s.url for s in servers], **overrides)
+    return SGLangEngine(cfg, attach_servers(cfg), sleep=lambda s: None)
+
+
+def _launch(tmp_path, *standin_args, servers=1, **overrides):
+    base_port = free_port()
+    launch = {"model_path": "standin", "servers": servers, "base_port": base_port, "log_dir": str(tmp_path / "logs"),
+              "startup_timeout_s": 10.0, "health_poll_s": 0.05}
+    cfg = _cfg(launch=launch, **overrides)
+    slots = launch_servers(cfg, command_for=lambda i: [sys.executable, STANDIN, "--port", str(base_port + i),
+                                                       "--lifetime-s", "60", *standin_args])
+    return SGLangEngine(cfg, slots, sleep=lambda s: None)
+
+
+def _kill(slot):
+    os.kill(slot.process._proc.pid, signal.SIGKILL)
+    slot.process._proc.wait(5)
+
+
+def _check_groups(samples, prompts, g):
+    assert len(samples) == len(prompts) * g
+    for k, sample in enumerate(samples):
+        i = k // g
+        assert sample.prompt_index == i
+        assert sample.response_ids[0] == prompts[i][-1]  # the stand-in echoes the prompt's last token first
+        assert len(sample.logprobs) == len(sample.response_ids) and all(lp < 0 for lp in sample.logprobs)
+        if sample.finish_reason == "stop":
+            assert sample.response_ids[-1] == 3
+        else:
+            assert sample.finish_reason == "length" and len(sample.response_ids) == PARAMS.max_new_tokens
+
+
+def test_generate_groups_by_prompt_over_two_servers():
+    with StandinServer() as a, StandinServer() as b:
+        engine = _attach([a, b])
+        samples = engine.generate(PROMPTS, 3, PARAMS)
+        _check_groups(samples, PROMPTS, 3)
+        bodies = a.bodies("/generate") + b.bodies("/generate")
+        assert a.bodies("/generate") and b.bodies("/generate")  # both servers took requests
+        assert sorted(len(body["input_ids"]) for body in bodies) == [1, 2, 2]
+        assert all(body["sampling_params"]["n"] == 3 and body["return_logprob"] for body in bodies)
+        assert all(s.inflight == 0 for s in engine.slots)
+        engine.shutdown()
+
+
+def test_seeded_generate_is_reproducible_and_samples_in_a_group_differ():
+    with StandinServer() as srv:
+        engine = _attach([srv])
+        params = SamplingParams(max_new_tokens=6, seed=11)
+        first = engine.generate(PROMPTS, 4, params)
+        again = engine.generate(PROMPTS, 4, params)
+        other = engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=6, seed=12))
+        assert [s.response_ids for s in first] == [s.response_ids for s in again]
+        assert [s.response_ids for s in first] != [s.response_ids for s in other]
+        assert len({tuple(s.response_ids) for s in first[:4]}) == 4
+        assert all(isinstance(body["sampling_params"], list) for body in srv.bodies("/generate"))
+
+
+def test_deterministic_server_gets_one_seed_per_sample_even_without_a_seed():
+    with StandinServer(StandinState(deterministic=True)) as srv:
+        engine = _attach([srv])
+        samples = engine.generate(PROMPTS[:2], 3, SamplingParams(max_new_tokens=6))
+        _check_groups(samples, PROMPTS[:2], 3)
+        body = srv.bodies("/generate")[0]
+        assert len({sp["sampling_seed"] for sp in body["sampling_params"]}) == 6
+
+
+def test_transient_errors_are_retried_and_rejections_are_not():
+    with StandinServer(StandinState(fail_generate=2, drop_generate=1)) as srv:
+        engine = _attach([srv], prompts_per_request=10)
+        _check_groups(engine.generate(PROMPTS, 2, PARAMS), PROMPTS, 2)
+        assert srv.state.generate_calls == 4  # 503, 503, cut connection, answer
+        engine.release_memory()  # the stand-in then refuses /generate with 400
+        calls = srv.state.generate_calls
+        with pytest.raises(SGLangEngineError, match="rejected by the server.*memory is released"):
+            engine.generate(PROMPTS, 2, PARAMS)
+        assert srv.state.generate_calls == calls + 1
+
+
+def test_too_many_transient_errors_give_a_clear_error():
+    with StandinServer(StandinState(fail_generate=100)) as srv:
+        engine = _attach([srv], max_retries=2, prompts_per_request=10)
+        with pytest.raises(SGLangEngineError, match="gave up after 3 attempt.*503"):
+            engine.generate(PROMPTS, 2, PARAMS)
+
+
+def test_attached_server_that_stops_is_dropped_then_no_server_is_an_error():
+    with StandinServer() as a:
+        b = StandinServer()
+        with b:
+            engine = _attach([a, b])
+        # b is gone: its requests fail, it is marked dead, a serves everything
+        _check_groups(engine.generate(PROMPTS, 2, PARAMS), PROMPTS, 2)
+        assert engine.server_states()[b.url].startswith("dead")
+        assert not engine.healthy()
+    with pytest.raises(SGLangEngineError, match="no SGLang server can serve"):
+        engine.generate(PROMPTS, 2, PARAMS)
+
+
+def test_owned_server_that_crashes_mid_request_is_restarted(tmp_path):
+    engine = _launch(tmp_path, "--die-on-generate", "1", "--die-once-file", str(tmp_path / "died"))
+    try:
+        _check_groups(engine.generate(PROMPTS, 2, PARAMS), PROMPTS, 2)
+        slot = engine.slots[0]
+        assert slot.restarts == 1 and slot.process.starts == 2 and engine.healthy()
+        assert slot.process.log_path.read_text().count("===== start") == 2
+    finally:
+        engine.shutdown()
+    assert not engine.slots[0].process.alive()
+    engine.shutdown()  # twice is fine
+    with pytest.raises(SGLangEngineError, match="shut down"):
+        engine.generate(PROMPTS, 2, PARAMS)
+
+
+def test_server_restarted_after_a_sync_is_stale_until_the_next_sync(tmp_path):
+    engine = _launch(tmp_path)
+    try:
+        engine.update_weights([("w", torch.ones(4))], final=True)
+        assert engine.weight_version == 1
+        _kill(engine.slots[0])
+        with pytest.raises(SGLangEngineError, match="stale"):
+            engine.generate(PROMPTS, 2, PARAMS)
+        assert engine.slots[0].restarts == 1 and engine.slots[0].process.alive()
+        engine.update_weights([("w", torch.ones(4))], final=True)
+        _check_groups(engine.generate(PROMPTS, 2, PARAMS), PROMPTS, 2)
+    finally:
+        engine.shutdown()
+
+
+def test_restarts_are_bounded(tmp_path):
+    engine = _launch(tmp_path, max_restarts=0)
+    try:
+        _kill(engine.slots[0])
+        with pytest.raises(SGLangEngineError, match="dead .*failed again after 0 restart"):
+            engine.generate(PROMPTS, 2, PARAMS)
+    finally:
+        engine.shutdown()
+
+
+def test_server_that_cannot_start_fails_launch_with_its_log(tmp_path):
+    with pytest.raises(SGLangEngineError, match="(?s)1 of 1 SGLang servers failed to start.*exiting at start"):
+        _launch(tmp_path, "--exit-at-start")
+
+
+def test_tensor_sync_sends_one_payload_per_tp_rank_and_closes_on_the_final_bucket():
+    with StandinServer(StandinState(tp_size=2)) as a, StandinServer() as b:
+        engine = _attach([a, b], bucket_bytes=1 << 20)
+        big = [(f"layer{i}.weight", torch.zeros(150_000)) for i in range(3)]  # 0.6 MB each: one per bucket
+        engine.update_weights(big[:2], final=False)
+        with pytest.raises(SGLangEngineError, match="middle of a weight sync"):
+            engine.generate(PROMPTS, 2, PARAMS)
+        engine.update_weights(big[2:] + [("norm.weight", torch.ones(8))], final=True)
+        assert engine.weight_version == 1
+        for srv, tp in ((a, 2), (b, 1)):
+            bodies = srv.bodies("/update_weights_from_tensor")
+            assert len(bodies) == 3
+            assert all(len(body["serialized_named_tensors"]) == tp for body in bodies)
+            assert [body["flush_cache"] for body in bodies] == [False, False, True]
+            assert [body.get("weight_version") for body in bodies] == [None, None, "1"]
+            assert srv.state.weight_version == "1"
+        _check_groups(engine.generate(PROMPTS, 2, PARAMS), PROMPTS, 2)
+
+
+def test_a_failed_sync_is_abandoned_and_leaves_servers_stale():
+    with StandinServer() as srv:
+        engine = _attach([srv])
+        srv.state.tp_size = 2  # the stand-in now wants two payloads: the update is rejected (400)
+        with pytest.raises(SGLangEngineError, match="rejected by .*update_weights_from_tensor.*one entry per TP rank"):
+            engine.update_weights([("w", torch.ones(4))], final=True)
+        assert engine.weight_version == 0 and engine.server_states()[srv.url].startswith("stale")
+        with pytest.raises(SGLangEngineError, match="stale"):
+            engine.generate(PROMPTS, 2, PARAMS)
+        srv.state.tp_size = 1
+        engine.update_weights([("w", torch.ones(4))], final=True)  # a fresh, complete sync
+        assert engine.weight_version == 1
+        _check_groups(engine.generate(PROMPTS, 2, PARAMS), PROMPTS, 2)
+
+
+def test_disk_sync_writes_a_checkpoint_and_points_servers_at_it(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with StandinServer() as srv:
+        engine = _attach([srv], weight_sync="disk", disk_dir=str(tmp_path / "sync"), disk_config_dir=str(model))
+        engine.update_weights([("a", torch.ones(3))], final=False)
+        engine.update_weights([("b", torch.zeros(2))], final=True)
+        first = Path(srv.bodies("/update_weights_from_disk")[0]["model_path"])
+        assert first == tmp_path / "sync" / "weights-v1"
+        assert set(json.loads((first / "model.safetensors.index.json").read_text())["weight_map"]) == {"a", "b"}
+        assert (first / "config.json").exists()
+        engine.update_weights([("a", torch.ones(3))], final=True)
+        second = srv.bodies("/update_weights_from_disk")[1]
+        assert second == {"model_path": str(tmp_path / "sync" / "weights-v2"), "weight_version": "2"}
+        assert not first.exists()  # the previous checkpoint is removed once the servers moved on
+        with pytest.raises(SGLangEngineError, match="at least one tensor"):
+            engine.update_weights([], final=True)
+
+
+def test_disk_mode_restart_reloads_the_last_checkpoint(tmp_path):
+    engine = _launch(tmp_path, weight_sync="disk", disk_dir=str(tmp_path / "sync"))
+    try:
+        engine.update_weights([("a", torch.ones(3))], final=True)
+        _kill(engine.slots[0])
+        _check_groups(engine.generate(PROMPTS, 2, PARAMS), PROMPTS, 2)  # restarted and caught up: not stale
+        assert engine.slots[0].restarts == 1 and engine.slots[0].weight_version == 1
+    finally:
+        engine.shutdown()
+
+
+class FakeGroup:
+    """Stands in for TrainerBroadcastGroup (tested over gloo in test_sglang_weight_sync.py)."""
+
+    made = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.broadcast, self.destroyed = kwargs, [], False
+        self.group_name = kwargs["group_name"]
+        FakeGroup.made.append(self)
+
+    def broadcast_bucket(self, bucket):
+        self.broadcast += [name for name, _ in bucket]
+
+    def destroy(self):
+        self.destroyed = True
+
+
+def test_distributed_sync_inits_the_group_then_announces_and_broadcasts_each_bucket(monkeypatch):
+    monkeypatch.setattr(engine_mod, "TrainerBroadcastGroup", FakeGroup)
+    FakeGroup.made = []
+    with StandinServer(StandinState(tp_size=2)) as a, StandinServer() as b:
+        engine = _attach([a, b], weight_sync="distributed", bucket_bytes=1 << 20,
+                         distributed={"master_address": "127.0.0.1", "master_port": 29999, "backend": "gloo"})
+        tensors = [("x", torch.zeros(150_000)), ("y", torch.zeros(150_000)), ("z", torch.zeros(150_000, dtype=torch.bfloat16))]
+        engine.update_weights(tensors, final=True)
+        inits = [a.bodies("/init_weights_update_group")[0], b.bodies("/init_weights_update_group")[0]]
+        assert [(i["rank_offset"], i["world_size"]) for i in inits] == [(1, 4), (3, 4)]
+        assert {i["group_name"] for i in inits} == {"gspo_weight_sync-0"}
+        group = FakeGroup.made[0]
+        assert group.kwargs["world_size"] == 4 and group.broadcast == ["x", "y", "z"]
+        bodies = a.bodies("/update_weights_from_distributed")
+        # 0.6 MB + 0.6 MB + 0.3 MB in 1 MiB buckets: y and z travel together
+        assert [body["names"] for body in bodies] == [["x"], ["y", "z"]]
+        assert bodies[1]["dtypes"] == ["float32", "bfloat16"] and bodies[1]["shapes"] == [[150_000], [150_000]]
+        assert [body["flush_cache"] for body in bodies] == [False, True]
+        assert b.bodies("/update_weights_from_distributed") == bodies
+        # a server that lost the group answers success=false (400): a clear error, and the next sync rebuilds
+        b.state.groups.clear()
+        with pytest.raises(SGLangEngineError, match="distributed weight sync failed"):
+            engine.update_weights(tensors[:1], final=True)
+        assert group.destroyed and a.bodies("/destroy_weights_update_group")
+        engine.update_weights(tensors[:1], final=True)
+        assert FakeGroup.made[1].group_name == "gspo_weight_sync-1" and engine.weight_version == 2
+
+
+def test_release_resume_and_flush():
+    with StandinServer() as srv:
+        engine = _attach([srv])
+        engine.release_memory()
+        engine.resume_memory(["weights"])
+        assert srv.state.released == {"kv_cache", "cuda_graph"}
+        engine.resume_memory()
+        assert srv.state.released == set()
+        assert srv.bodies("/release_memory_occupation") == [{}]
+        assert srv.bodies("/resume_memory_occupation") == [{"tags": ["weights"]}, {}]
+        engine.flush_cache()
+        assert "/flush_cache" in srv.paths()
+    with StandinServer(StandinState(memory_saver=False)) as srv:
+        with pytest.raises(SGLangEngineError, match="enable-memory-saver"):
+            _attach([srv]).release_memory()
+
+
+def test_old_servers_answer_on_get_server_info():
+    with StandinServer(StandinState(old_api=True, tp_size=4)) as srv:
+        engine = _attach([srv])
+        assert engine.slots[0].info.tp_size == 4
+        assert srv.paths()[-2:] == ["/server_info", "/get_server_info"]
+
+
+def test_routed_experts_come_back_per_response_token():
+    with StandinServer(StandinState(routed_experts=(3, 2))) as srv:
+        engine = _attach([srv], routed_experts_layers=3, routed_experts_top_k=2)
+        samples = engine.generate(PROMPTS[:2], 2, SamplingParams(max_new_tokens=5, return_routed_experts=True))
+        for s in samples:
+            p = len(PROMPTS[s.prompt_index])
+            assert s.routed_experts.shape == (len(s.response_ids), 3, 2)
+            # the stand-in writes (position*7 + layer*3 + k) % 8: row t is input position p - 1 + t
+            assert s.routed_experts[0, 1, 1].item() == ((p - 1) * 7 + 3 + 1) % 8
+    with StandinServer() as srv:
+        with pytest.raises(SGLangEngineError, match="enable-return-routed-experts"):
+            _attach([srv]).generate(PROMPTS, 1, SamplingParams(return_routed_experts=True))
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="rollout.sglang.urls: set exactly one"):
+        build(SGLangConfig, {}, "rollout.sglang")
+    with pytest.raises(ConfigError, match=r"rollout.sglang.urls\[0\]: must be an http"):
+        build(SGLangConfig, {"urls": ["localhost:30000"]}, "rollout.sglang")
+    with pytest.raises(ConfigError, match="rollout.sglang.disk_dir: required"):
+        build(SGLangConfig, {"urls": ["http://h:1"], "weight_sync": "disk"}, "rollout.sglang")
+    with pytest.raises(ConfigError, match="rollout.sglang.distributed.master_address"):
+        build(SGLangConfig, {"urls": ["http://h:1"], "weight_sync": "distributed"}, "rollout.sglang")
+    with pytest.raises(ConfigError, match="rollout.sglang.launch.dp_size: must be 1"):
+        build(SGLangConfig, {"launch": {"model_path": "/m", "dp_size": 2}}, "rollout.sglang")
+    with pytest.raises(ConfigError, match="rollout.sglang.launch.mem_fraction_static"):
+        build(SGLangConfig, {"launch": {"model_path": "/m", "mem_fraction_static": 1.5}}, "rollout.sglang")
+    with pytest.raises(ConfigError, match="rollout.sglang.weight_sync: must be one of"):
+        build(SGLangConfig, {"urls": ["http://h:1"], "weight_sync": "nccl"}, "rollout.sglang")
+    cfg = build(SGLangConfig, {"launch": {"model_path": "/m", "tp_size": 2}}, "rollout.sglang")
+    assert cfg.launch.gpus_per_server() == 2 and cfg.weight_sync == "tensor"

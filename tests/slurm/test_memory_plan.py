@@ -1,0 +1,102 @@
+"""tools/slurm/memory_plan.py: parameter counts against the published model sizes, sharding arithmetic."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from tests.slurm.cluster import REPO_ROOT
+
+_PATH = REPO_ROOT / "tools" / "slurm" / "memory_plan.py"
+_spec = importlib.util.spec_from_file_location("memory_plan", _PATH)
+mp = importlib.util.module_from_spec(_spec)
+sys.modules["memory_plan"] = mp  # dataclasses look their module up by name
+_spec.loader.exec_module(mp)
+
+GIB = 1024**3
+PLAN_DEFAULTS = dict(tokens_per_microbatch=8192, recompute="full", gpu_mem_gib=80.0, sglang_tp=8,
+                     sglang_mem_fraction=0.4)
+
+
+@pytest.mark.parametrize("key, total_b, active_b", [
+    ("qwen3-30b-a3b", 30.5, 3.3),      # the model card: 30.5B total, 3.3B activated
+    ("qwen3-235b-a22b", 235.0, 22.0),  # 235B total, 22B activated
+])
+def test_parameter_counts_match_the_model_cards(key: str, total_b: float, active_b: float) -> None:
+    m = mp.MODELS[key]
+    p = mp.param_counts(m)
+    total = p.dense_total(m.layers) + p.expert_total(m.layers)
+    assert total / 1e9 == pytest.approx(total_b, abs=0.15)
+    assert mp.active_params(m) / 1e9 == pytest.approx(active_b, abs=0.25)
+
+
+def test_tiny_shape_by_hand() -> None:
+    m = mp.MoEShape("tiny", layers=2, hidden=8, q_heads=4, kv_heads=2, head_dim=2, experts=4, top_k=2,
+                    expert_ffn=3, vocab=10)
+    p = mp.param_counts(m)
+    assert p.embedding == p.output == 80
+    assert p.attention_per_layer == 8 * 8 + 2 * 8 * 4 + 8 * 8  # q, k+v, o
+    assert p.replicated_per_layer == 2 * 8 + 2 * 2 + 8 * 4  # norms, q/k norms, router
+    assert p.experts_per_layer == 4 * 3 * 8 * 3
+    assert mp.active_params(m) == p.dense_total(2) + 2 * 2 * 3 * 8 * 3
+
+
+def test_one_gpu_holds_everything_with_18_bytes_per_param() -> None:
+    m = mp.MODELS["qwen3-30b-a3b"]
+    p = mp.param_counts(m)
+    total = p.dense_total(m.layers) + p.expert_total(m.layers)
+    pl = mp.plan(m, mp.Layout(gpus=1), **PLAN_DEFAULTS)
+    assert pl.dense_params_per_gpu + pl.expert_params_per_gpu == pytest.approx(total)
+    assert pl.states_gib * GIB == pytest.approx(18 * total)
+
+
+def test_sharding_divides_each_part_by_its_group() -> None:
+    m = mp.MODELS["qwen3-30b-a3b"]
+    p = mp.param_counts(m)
+    one = mp.plan(m, mp.Layout(gpus=1), **PLAN_DEFAULTS)
+    pl = mp.plan(m, mp.Layout(gpus=32, tp=4, ep=8), **PLAN_DEFAULTS)
+    assert pl.expert_params_per_gpu == pytest.approx(one.expert_params_per_gpu / 8)
+    replicated = m.layers * p.replicated_per_layer + p.final_norm
+    assert pl.dense_params_per_gpu == pytest.approx((one.dense_params_per_gpu - replicated) / 4 + replicated)
+    # distributed optimizer: dense shards over DP=8, experts over expert-DP=4
+    expected_opt = 12 * pl.dense_params_per_gpu / 8 + 12 * pl.expert_params_per_gpu / 4
+    assert pl.optimizer_gib * GIB == pytest.approx(expected_opt)
+
+
+def test_pipeline_stage_holds_a_share_of_layers_and_one_of_embedding_or_output() -> None:
+    m = mp.MODELS["qwen3-235b-a22b"]
+    p = mp.param_counts(m)
+    pl = mp.plan(m, mp.Layout(gpus=4, pp=4), **PLAN_DEFAULTS)
+    assert pl.expert_params_per_gpu == 24 * p.experts_per_layer  # ceil(94 / 4) = 24 layers
+    assert pl.dense_params_per_gpu == 24 * (p.attention_per_layer + p.replicated_per_layer) + p.embedding + p.final_norm
+
+
+def test_full_recompute_needs_less_than_none() -> None:
+    m = mp.MODELS["qwen3-30b-a3b"]
+    layout = mp.Layout(gpus=32, tp=4, ep=8)
+    full = mp.plan(m, layout, **PLAN_DEFAULTS)
+    none = mp.plan(m, layout, **{**PLAN_DEFAULTS, "recompute": "none"})
+    assert none.activations_gib > 10 * full.activations_gib
+
+
+@pytest.mark.parametrize("layout, message", [
+    (dict(gpus=12, tp=8), "not a multiple of tp*pp*cp=8"),
+    (dict(gpus=16, tp=8), "tp=8 does not divide the 4 KV groups"),
+    (dict(gpus=16, ep=3), "ep=3 does not divide the 128 experts"),
+    (dict(gpus=8, ep=16), "not a multiple of ep*etp*pp=16"),
+])
+def test_impossible_layouts_are_rejected(layout: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("*", r"\*")):
+        mp.plan(mp.MODELS["qwen3-30b-a3b"], mp.Layout(**layout), **PLAN_DEFAULTS)
+
+
+def test_cli_prints_the_table() -> None:
+    run = subprocess.run([sys.executable, str(_PATH), "--model", "qwen3-30b-a3b", "--gpus", "32", "--tp", "4",
+                          "--ep", "8", "--sglang-tp", "4"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "DP=8, expert-DP=4" in run.stdout and "30.53B params" in run.stdout
+    bad = subprocess.run([sys.executable, str(_PATH), "--model", "qwen3-30b-a3b", "--gpus", "3", "--tp", "2"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a multiple" in bad.stderr

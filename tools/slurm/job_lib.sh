@@ -1,0 +1,65 @@
+# Shell functions for gspo-megatron sbatch scripts (source it; it is not a program).
+#
+#   source tools/slurm/job_lib.sh
+#   gspo_run_step srun --kill-on-bad-exit=1 python -m gspo_megatron.cli train ... && rc=0 || rc=$?
+#   gspo_requeue_if_preempted "$rc"
+#   exit "$rc"
+#
+# Why: with `#SBATCH --signal=B:USR1@120` Slurm warns only the batch shell. A shell running `srun` in the
+# foreground defers its traps until srun returns, i.e. too late; so the step runs in the background, the
+# trap forwards SIGUSR1 to srun (srun passes it on to every process of the step: measured with Slurm
+# 22.05, grandchildren included), and the shell waits again until the step really ends. The trainer sees
+# the signal through gspo_megatron.trainer.preemption.PreemptionFlag, checkpoints and exits 0; the script
+# then requeues the job, which resumes from that checkpoint with --resume.
+
+GSPO_PREEMPTED=0
+GSPO_SIGNALS_SEEN=0
+GSPO_STEP_PID=
+
+_gspo_forward_usr1() {
+    GSPO_PREEMPTED=1
+    GSPO_SIGNALS_SEEN=$((GSPO_SIGNALS_SEEN + 1))
+    echo "job_lib: SIGUSR1 at $(date -u +%FT%TZ): forwarding to the step (srun pid $GSPO_STEP_PID)" >&2
+    kill -USR1 "$GSPO_STEP_PID" 2>/dev/null || true
+}
+
+# Run "$@" (an srun command line) in the background, forward SIGUSR1 to it, return its exit status.
+gspo_run_step() {
+    local seen rc last_rc=""
+    "$@" &
+    GSPO_STEP_PID=$!
+    trap _gspo_forward_usr1 USR1
+    while :; do
+        seen=$GSPO_SIGNALS_SEEN
+        wait "$GSPO_STEP_PID" && rc=0 || rc=$?
+        # 127: this pid's status was already collected by the previous wait, which was therefore the
+        # step's own status (a signal arrived just after the step ended), not an interruption.
+        if [ "$rc" = 127 ] && [ -n "$last_rc" ]; then
+            rc=$last_rc
+            break
+        fi
+        # A trap that ran during `wait` makes it return 128+signal while the step goes on: wait again.
+        if [ "$GSPO_SIGNALS_SEEN" = "$seen" ] || [ "$rc" -le 128 ]; then
+            break
+        fi
+        last_rc=$rc
+    done
+    trap - USR1
+    return "$rc"
+}
+
+# After a preempted step that exited 0 (checkpoint written), put the job back in the queue.
+# A step that failed is not requeued: a crash loop would burn the allocation.
+gspo_requeue_if_preempted() {
+    local rc=$1
+    if [ "$GSPO_PREEMPTED" != 1 ]; then
+        return 0
+    fi
+    if [ "$rc" != 0 ]; then
+        echo "job_lib: preempted, but the step exited $rc: not requeueing job $SLURM_JOB_ID" >&2
+        return 0
+    fi
+    # Slurm holds a requeued batch job for about 120 s (BeginTime) before it may start again.
+    echo "job_lib: preempted; requeueing job $SLURM_JOB_ID (restart $((${SLURM_RESTART_COUNT:-0} + 1)))" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+}

@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""Per-GPU memory of GSPO training on Megatron-Core with colocated SGLang, for Qwen3-MoE models.
+
+    python tools/slurm/memory_plan.py --model qwen3-30b-a3b --gpus 32 --tp 4 --pp 1 --ep 8
+    python tools/slurm/memory_plan.py --model qwen3-235b-a22b --gpus 256 --tp 4 --pp 4 --ep 32 --sglang-tp 16
+
+Arithmetic, not measurement (nothing here ran on a GPU); docs/slurm.md shows it for the layouts it
+suggests. What is counted:
+
+- Parameters from the shapes (no biases; q/k RMSNorm of head_dim; untied embeddings).
+- Training states with Megatron's distributed optimizer (its docs, "distrib_optimizer"): bf16 weights
+  (2 B/param) + fp32 main grads (4 B; Megatron-LM accumulates bf16 grads in fp32) + fp32 master weights
+  and Adam m, v (12 B) sharded over the data-parallel ranks holding the same shard: dense parameters over
+  DP x CP = gpus / (TP x PP), expert parameters over expert-DP = gpus / (EP x ETP x PP). Dense weights
+  split over TP, experts over EP x ETP; norms and the router are replicated over TP. The worst pipeline
+  stage holds ceil(layers / PP) layers plus the embedding or the output layer (both when PP = 1).
+- Activations, roughly, per micro-batch of T tokens with sequence parallelism (each TP x CP rank holds
+  T / (TP x CP) tokens): per layer and token 17h bytes outside the experts (Korthikanti et al. 2022's
+  15h for attention and norms with flash attention, + 2h router input) and top_k x (2h + 6F) for the
+  routed copies (expert input, gate/up output, SwiGLU output, bf16). Full recompute keeps only each
+  layer's 2h-byte input plus one layer's working set. 1F1B keeps up to PP micro-batches alive on the
+  first stage. The last stage also holds the logits: T / CP x vocab / TP x 6 B (bf16 + fp32 for the
+  log-softmax of the GSPO log-probs).
+- SGLang, colocated: while it holds memory it takes mem_fraction_static x GPU memory for its weights
+  (all parameters / SGLang TP, bf16) and KV cache (layers x 2 x max(1, kv_heads / TP) x head_dim x 2 B
+  per token); while the trainer trains it has released both (--enable-memory-saver).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+
+GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+    name: str
+    layers: int
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    expert_ffn: int
+    vocab: int
+
+
+MODELS = {
+    "qwen3-30b-a3b": MoEShape("Qwen3-30B-A3B", layers=48, hidden=2048, q_heads=32, kv_heads=4, head_dim=128,
+                              experts=128, top_k=8, expert_ffn=768, vocab=151936),
+    "qwen3-235b-a22b": MoEShape("Qwen3-235B-A22B", layers=94, hidden=4096, q_heads=64, kv_heads=4, head_dim=128,
+                                experts=128, top_k=8, expert_ffn=1536, vocab=151936),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    embedding: int
+    output: int
+    attention_per_layer: int  # q, k, v, o projections: split over TP
+    replicated_per_layer: int  # two RMSNorms, q/k norms, router: replicated over TP
+    experts_per_layer: int
+    final_norm: int
+
+    def dense_total(self, layers: int) -> int:
+        return self.embedding + self.output + self.final_norm + layers * (self.attention_per_layer + self.replicated_per_layer)
+
+    def expert_total(self, layers: int) -> int:
+        return layers * self.experts_per_layer
+
+
+def param_counts(m: MoEShape) -> ParamCounts:
+    h, d = m.hidden, m.head_dim
+    return ParamCounts(
+        embedding=m.vocab * h,
+        output=m.vocab * h,
+        attention_per_layer=h * m.q_heads * d + 2 * h * m.kv_heads * d + m.q_heads * d * h,
+        replicated_per_layer=2 * h + 2 * d + h * m.experts,
+        experts_per_layer=m.experts * 3 * h * m.expert_ffn,
+        final_norm=h,
+    )
+
+
+def active_params(m: MoEShape) -> int:
+    """Parameters one token touches: everything dense + top_k experts per layer."""
+    p = param_counts(m)
+    return p.dense_total(m.layers) + m.layers * m.top_k * 3 * m.hidden * m.expert_ffn
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    gpus: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    cp: int = 1
+
+    def check(self, m: MoEShape) -> None:
+        problems = []
+        if self.gpus % (self.tp * self.pp * self.cp):
+            problems.append(f"gpus={self.gpus} is not a multiple of tp*pp*cp={self.tp * self.pp * self.cp}")
+        if self.gpus % (self.ep * self.etp * self.pp):
+            problems.append(f"gpus={self.gpus} is not a multiple of ep*etp*pp={self.ep * self.etp * self.pp}")
+        if m.experts % self.ep:
+            problems.append(f"ep={self.ep} does not divide the {m.experts} experts")
+        if m.kv_heads % self.tp:
+            problems.append(f"tp={self.tp} does not divide the {m.kv_heads} KV groups (Megatron requires it)")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_dp(self) -> int:
+        return self.gpus // (self.ep * self.etp * self.pp)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    dense_params_per_gpu: float
+    expert_params_per_gpu: float
+    weights_gib: float
+    grads_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    logits_gib: float
+    sglang_weights_gib: float
+    sglang_budget_gib: float
+    sglang_kv_tokens: int
+    train_phase_gib: float
+    rollout_phase_gib: float
+
+    @property
+    def states_gib(self) -> float:
+        return self.weights_gib + self.grads_gib + self.optimizer_gib
+
+
+def plan(m: MoEShape, layout: Layout, *, tokens_per_microbatch: int, recompute: str, gpu_mem_gib: float,
+         sglang_tp: int, sglang_mem_fraction: float, grad_bytes: int = 4, overhead_gib: float = 4.0) -> Plan:
+    """Per-GPU bytes on the worst pipeline stage (see the module docstring for every term)."""
+    layout.check(m)
+    p = param_counts(m)
+    stage_layers = math.ceil(m.layers / layout.pp)
+    embed_and_output = p.embedding + p.output if layout.pp == 1 else max(p.embedding, p.output)
+    dense = (stage_layers * p.attention_per_layer + embed_and_output) / layout.tp \
+        + stage_layers * p.replicated_per_layer + p.final_norm
+    experts = stage_layers * p.experts_per_layer / (layout.ep * layout.etp)
+    weights = 2 * (dense + experts)
+    grads = grad_bytes * (dense + experts)
+    optimizer = 12 * dense / (layout.dp * layout.cp) + 12 * experts / layout.expert_dp
+
+    h, f = m.hidden, m.expert_ffn
+    tokens_per_rank = tokens_per_microbatch / (layout.tp * layout.cp)
+    per_layer = tokens_per_rank * (17 * h + m.top_k * (2 * h + 6 * f))
+    in_flight = layout.pp  # 1F1B: the first stage holds up to PP micro-batches
+    if recompute == "full":
+        activations = in_flight * stage_layers * tokens_per_rank * 2 * h + per_layer
+    elif recompute == "none":
+        activations = in_flight * stage_layers * per_layer
+    else:
+        raise ValueError(f"recompute must be 'full' or 'none', got {recompute!r}")
+    logits = tokens_per_microbatch / layout.cp * m.vocab / layout.tp * 6
+
+    total_params = p.dense_total(m.layers) + p.expert_total(m.layers)
+    sglang_weights = 2 * total_params / sglang_tp
+    sglang_budget = sglang_mem_fraction * gpu_mem_gib * GIB
+    kv_per_token = m.layers * 2 * max(1, m.kv_heads // sglang_tp) * m.head_dim * 2
+    kv_tokens = max(0, int((sglang_budget - sglang_weights) // kv_per_token))
+    states = weights + grads + optimizer
+    overhead = overhead_gib * GIB
+    return Plan(
+        dense_params_per_gpu=dense,
+        expert_params_per_gpu=experts,
+        weights_gib=weights / GIB,
+        grads_gib=grads / GIB,
+        optimizer_gib=optimizer / GIB,
+        activations_gib=activations / GIB,
+        logits_gib=logits / GIB,
+        sglang_weights_gib=sglang_weights / GIB,
+        sglang_budget_gib=sglang_budget / GIB,
+        sglang_kv_tokens=kv_tokens,
+        train_phase_gib=(states + activations + logits + overhead) / GIB,
+        rollout_phase_gib=(states + sglang_budget + overhead) / GIB,
+    )
+
+
+def _table(m: MoEShape, layout: Layout, pl: Plan, args: argparse.Namespace) -> str:
+    p = param_counts(m)
+    rows = [
+        ("model", f"{m.name}: {(p.dense_total(m.layers) + p.expert_total(m.layers)) / 1e9:.2f}B params "
+                  f"({p.expert_total(m.layers) / 1e9:.2f}B in experts), {active_params(m) / 1e9:.2f}B active"),
+        ("layout", f"{layout.gpus} GPUs: TP={layout.tp} PP={layout.pp} EP={layout.ep} ETP={layout.etp} CP={layout.cp} "
+                   f"-> DP={layout.dp}, expert-DP={layout.expert_dp}"),
+        ("params per GPU", f"{pl.dense_params_per_gpu / 1e9:.3f}B dense + {pl.expert_params_per_gpu / 1e9:.3f}B expert"),
+        ("bf16 weights", f"{pl.weights_gib:.1f} GiB"),
+        (f"{args.grad_dtype} grads", f"{pl.grads_gib:.1f} GiB"),
+        ("fp32 master + Adam (sharded)", f"{pl.optimizer_gib:.1f} GiB"),
+        ("training states", f"{pl.states_gib:.1f} GiB"),
+        (f"activations ({args.recompute} recompute, {args.tokens_per_microbatch} tokens/micro-batch)",
+         f"{pl.activations_gib:.1f} GiB + logits {pl.logits_gib:.1f} GiB"),
+        (f"SGLang (TP={args.sglang_tp}, mem_fraction_static={args.sglang_mem_fraction})",
+         f"{pl.sglang_budget_gib:.1f} GiB: weights {pl.sglang_weights_gib:.1f} GiB, "
+         f"KV room for {pl.sglang_kv_tokens:,} tokens"),
+        (f"peak, training phase (+{args.overhead_gib} GiB overhead)", f"{pl.train_phase_gib:.1f} of {args.gpu_mem_gib} GiB"),
+        (f"peak, rollout phase (+{args.overhead_gib} GiB overhead)", f"{pl.rollout_phase_gib:.1f} of {args.gpu_mem_gib} GiB"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), required=True)
+    ap.add_argument("--gpus", type=int, required=True)
+    for name in ("tp", "pp", "ep", "etp", "cp"):
+        ap.add_argument(f"--{name}", type=int, default=1)
+    ap.add_argument("--tokens-per-microbatch", type=int, default=8192)
+    ap.add_argument("--recompute", choices=["full", "none"], default="full")
+    ap.add_argument("--gpu-mem-gib", type=float, default=80.0)
+    ap.add_argument("--sglang-tp", type=int, default=8)
+    ap.add_argument("--sglang-mem-fraction", type=float, default=0.4)
+    ap.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="main-grad buffer dtype (Megatron DDP grad_reduce_in_fp32 on or off)")
+    ap.add_argument("--overhead-gib", type=float, default=4.0, help="CUDA contexts, NCCL buffers, fragmentation")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    args = ap.parse_args(argv)
+    m = MODELS[args.model]
+    layout = Layout(args.gpus, args.tp, args.pp, args.ep, args.etp, args.cp)
+    try:
+        pl = plan(m, layout, tokens_per_microbatch=args.tokens_per_microbatch, recompute=args.recompute,
+                  gpu_mem_gib=args.gpu_mem_gib, sglang_tp=args.sglang_tp, sglang_mem_fraction=args.sglang_mem_fraction,
+                  grad_bytes={"fp32": 4, "bf16": 2}[args.grad_dtype], overhead_gib=args.overhead_gib)
+    except ValueError as err:
+        print(f"memory_plan: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(dataclasses.asdict(pl), indent=2) if args.json else _table(m, layout, pl, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
