@@ -9,7 +9,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="gspo-megatron", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from gspo_megatron.trainer.entry import REPO_EXAMPLES, add_train_arguments
+
     sub.add_parser("smoke", help="tiny MoE forward/backward at EP=2 on two processes vs one process")
+    add_train_arguments(sub.add_parser("train", help="GSPO training (one process, torchrun or srun)"))
+    demo = sub.add_parser("demo", help="the CPU demo: train --config examples/cpu_demo.yaml")
+    add_train_arguments(demo, config_required=False)
+    sub.add_parser("plot", help="PNG charts from run folders' metrics", add_help=False)
     sub.add_parser("convert", help="checkpoint conversion (see `gspo-megatron convert -h`)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "smoke":
@@ -17,6 +23,17 @@ def main(argv: list[str] | None = None) -> int:
 
         smoke.run()
         return 0
+    if args.command in ("train", "demo"):
+        from gspo_megatron.trainer.entry import run_training
+
+        if args.command == "demo":
+            args.config = args.config or str(REPO_EXAMPLES / "cpu_demo.yaml")
+            argv = ["train", "--config", args.config, *argv[1:]]
+        return run_training(args, argv)
+    if args.command == "plot":
+        from gspo_megatron.trainer import plot
+
+        return plot.main(rest)
     if args.command == "convert":
         from gspo_megatron.conversion import cli as convert_cli
 

@@ -6,7 +6,7 @@ newline, one token each. Its chat template is Qwen-style::
 
     <|im_start|>user\\n12+7=<|im_end|>\\n<|im_start|>assistant\\n
 
-so the demo prompt "12+7=" is 26 tokens and the answer "19" plus eos is 3. A copy is shipped in
+so the demo prompt "12+7=" is 24 tokens and the answer "19" plus eos is 3. A copy is shipped in
 ``gspo_megatron/assets/tokenizer`` (``demo_tokenizer_path()``); ``build_demo_tokenizer()`` rebuilds it
 and a test checks the two agree.
 """
@@ -39,7 +39,7 @@ def build_demo_tokenizer() -> Any:
 
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"(?m)."), behavior="isolated")  # every character alone
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
     backend.decoder = decoders.Fuse()  # join characters back without spaces
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
@@ -54,7 +54,12 @@ def save_demo_tokenizer(path: str | os.PathLike[str]) -> str:
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
-    build_demo_tokenizer().save_pretrained(tmp)
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a shipped folder must be readable by everyone
+    try:
+        build_demo_tokenizer().save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp)  # no half-written folder left behind; the error propagates
+        raise
     if os.path.isdir(path):
         shutil.rmtree(path)
     os.replace(tmp, path)

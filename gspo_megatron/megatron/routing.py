@@ -83,6 +83,22 @@ def _in_backward() -> bool:
 # ---- recording -----------------------------------------------------------------------------------
 
 
+def _all_gather_pieces(pieces: list[Tensor], group) -> list[list[Tensor]]:
+    """All-gather many tensors (the same shapes on every rank of ``group``) in one collective; returns,
+    per piece, the list of every rank's copy in rank order."""
+    size = dist.get_world_size(group)
+    if size == 1 or not pieces:
+        return [[t] for t in pieces]
+    flat = torch.cat([t.reshape(-1) for t in pieces])
+    gathered = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(gathered, flat, group=group)
+    out, offset = [], 0
+    for t in pieces:
+        out.append([g[offset:offset + t.numel()].view(t.shape) for g in gathered])
+        offset += t.numel()
+    return out
+
+
 def topk_from_routing_map(routing_map: Tensor, top_k: int) -> Tensor:
     """[N, E] bool routing map -> [N, top_k] int64 expert ids, ascending per token (a set, comparable).
 
@@ -123,7 +139,6 @@ class RoutingRecorder:
         self._cp_group = context_parallel_group
         self._handles: list = []
         self._local: dict[int, list[Tensor]] = {layer: [] for layer in self._routers}  # [s_local, b, k] each
-        self._calls = 0
         self.experts: dict[int, Tensor] = {}
         self._per_forward: dict[int, list[Tensor]] = {}
         config = next(iter(self._routers.values())).config if self._routers else None
@@ -154,24 +169,21 @@ class RoutingRecorder:
         counts = {len(v) for v in self._local.values()}
         if len(counts) > 1:
             raise RuntimeError(f"RoutingRecorder: layers saw different numbers of forwards {sorted(counts)}")
-        self._per_forward = {layer: [self._assemble(t) for t in pieces] for layer, pieces in self._local.items()}
-        self.experts = {layer: torch.cat([t.reshape(-1, t.shape[-1]) for t in pieces]) if pieces else
-                        torch.empty(0, self.top_k, dtype=torch.long)
-                        for layer, pieces in self._per_forward.items()}
+        layers = sorted(self._local)
+        pieces = [t for layer in layers for t in self._local[layer]]
+        if self._sp_group is not None:  # SP slices are contiguous along the sequence (dim 0 of [s, b, k])
+            pieces = [torch.cat(parts, dim=0) for parts in _all_gather_pieces(pieces, self._sp_group)]
+        pieces = [t.transpose(0, 1).contiguous() for t in pieces]  # [b, s, k]
+        if self._cp_group is not None:
+            from gspo_megatron.megatron.context_parallel import unsplit_from_cp
+
+            pieces = [unsplit_from_cp(parts, 1) for parts in _all_gather_pieces(pieces, self._cp_group)]
+        it = iter(pieces)
+        self._per_forward = {layer: [next(it) for _ in self._local[layer]] for layer in layers}
+        self.experts = {layer: torch.cat([t.reshape(-1, t.shape[-1]) for t in self._per_forward[layer]])
+                        if self._per_forward[layer] else torch.empty(0, self.top_k, dtype=torch.long)
+                        for layer in layers}
         self._local = {layer: [] for layer in self._routers}
-
-    def _assemble(self, local: Tensor) -> Tensor:
-        """[s_local, b, k] of this rank -> [b, s, k] in position order (gathered over SP and CP)."""
-        if self._sp_group is not None and dist.get_world_size(self._sp_group) > 1:
-            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self._sp_group))]
-            dist.all_gather(parts, local.contiguous(), group=self._sp_group)
-            local = torch.cat(parts, dim=0)  # SP slices are contiguous along the sequence
-        batch_major = local.transpose(0, 1).contiguous()
-        if self._cp_group is not None and dist.get_world_size(self._cp_group) > 1:
-            from gspo_megatron.megatron.context_parallel import gather_from_cp
-
-            batch_major = gather_from_cp(batch_major, 1, self._cp_group)
-        return batch_major
 
     @property
     def num_forwards(self) -> int:
@@ -202,7 +214,7 @@ def routing_drift(before: Mapping[int, Tensor], after: Mapping[int, Tensor], tok
                   *, num_layers: int | None = None) -> dict[str, Tensor]:
     """How many (token, layer) top-k expert sets changed between two records of the same tokens.
 
-    before, after: {global layer: [N, top_k] expert ids, ascending per token} (``RoutingRecorder.experts``);
+    before, after: {global layer: [N, top_k] expert ids} (``RoutingRecorder.experts``; any order per token);
     token_mask:    [N] (or any shape with N elements, flattened) bool, True on tokens that count
                    (response tokens); None counts every token;
     num_layers:    length of the per-layer vectors (default: highest layer + 1); give the model's
@@ -222,7 +234,8 @@ def routing_drift(before: Mapping[int, Tensor], after: Mapping[int, Tensor], tok
             raise ValueError(f"routing_drift: layer {layer}: before {tuple(a.shape)} vs after {tuple(b.shape)} -- not the same tokens")
         if layer >= size:
             raise ValueError(f"routing_drift: layer {layer} >= num_layers={size}")
-        differs = (a.to(b.device) != b).any(dim=1)
+        # sort again so that records from other sources (an engine's top-k order) compare as sets
+        differs = (a.to(b.device).sort(dim=1).values != b.sort(dim=1).values).any(dim=1)
         mask = torch.ones_like(differs) if token_mask is None else token_mask.reshape(-1).to(torch.bool)
         if mask.numel() != differs.numel():
             raise ValueError(f"routing_drift: token_mask has {mask.numel()} elements for {differs.numel()} recorded tokens")
@@ -306,6 +319,17 @@ def experts_to_batch(samples: Sequence[Tensor], seq_len: int, *, num_experts: in
     return out
 
 
+def _check_replayable(config) -> None:
+    """Megatron routes around RouterReplay in these modes (topk_routing_with_score_function returns before
+    the replayable top-k, or the router is not top-k): refuse instead of silently routing freely."""
+    if config.moe_router_fusion:
+        raise ValueError("RoutingReplay: moe_router_fusion=True uses TE's fused top-k, which ignores RouterReplay; set it False")
+    if config.moe_router_load_balancing_type == "sinkhorn":
+        raise ValueError("RoutingReplay: sinkhorn routing does not go through RouterReplay")
+    if config.moe_expert_capacity_factor is not None:
+        raise ValueError("RoutingReplay: moe_expert_capacity_factor drops tokens after the top-k; replay needs it None")
+
+
 def to_router_order(experts_bs: Tensor, sequence_parallel_group=None) -> Tensor:
     """[b, s, top_k] (one layer, caller layout) -> [s_local * b, top_k] int64: this TP rank's sequence-
     parallel slice, sequence-major -- the token order of Megatron's router (and of RouterReplay's records)."""
@@ -354,6 +378,8 @@ class RoutingReplay:
         config = next(iter(self._routers.values())).config if self._routers else None
         self._moe_index = _moe_index(config) if config is not None else {}
         self._num_experts = config.num_moe_experts if config is not None else 0
+        if config is not None:
+            _check_replayable(config)
 
     def __enter__(self) -> "RoutingReplay":
         for layer, router in self._routers.items():

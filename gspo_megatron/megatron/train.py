@@ -201,10 +201,6 @@ class PolicyModel:
 
     def __init__(self, model_config, parallel, optim: OptimizerConfig, loss: LossConfig,
                  max_tokens_per_microbatch: int = 4096, logprob_chunk_tokens: int = 1024):
-        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-        from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
         from gspo_megatron.megatron.model import build_model, wrap_ddp
 
         self.model_config, self.parallel, self.optim_config, self.loss_config = model_config, parallel, optim, loss
@@ -213,11 +209,23 @@ class PolicyModel:
         self.module = build_model(model_config, parallel)
         self.module.config.variable_seq_lengths = True  # micro-batches differ in shape (packing)
         self.ddp = wrap_ddp(self.module, parallel)
+        self.reset_optimizer()
+        self.skipped_steps = 0
+
+    def reset_optimizer(self, lr: float | None = None) -> None:
+        """A fresh Megatron optimizer (Adam state empty) and LR schedule; ``lr`` overrides the config's
+        (the supervised warm start uses its own rate, then RL starts from a clean state)."""
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        optim = self.optim_config if lr is None else dataclasses.replace(self.optim_config, lr=lr, min_lr=0.0,
+                                                                         warmup_steps=0, decay_steps=0)
         self.optimizer = get_megatron_optimizer(
             MegatronOptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                                     adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                                     clip_grad=optim.clip_grad, params_dtype=torch.float32,
-                                    use_distributed_optimizer=parallel.distributed_optimizer),
+                                    use_distributed_optimizer=self.parallel.distributed_optimizer),
             [self.ddp])
         decay_steps = max(optim.decay_steps, optim.warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
@@ -225,7 +233,6 @@ class PolicyModel:
             lr_warmup_steps=optim.warmup_steps, lr_decay_steps=decay_steps,
             lr_decay_style=optim.decay_style if optim.decay_steps else "constant",
             start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
-        self.skipped_steps = 0
 
     # ---- helpers -------------------------------------------------------------------------------
     @property
@@ -345,6 +352,31 @@ class PolicyModel:
         outputs = self._run(microbatches, forward_step, forward_only=False)
         raw = merge_metrics(outputs) if outputs else {}
         return self._reduce_to_all(raw)
+
+    def sft_forward_backward(self, seqs: Sequence[TrainSequence]) -> dict:
+        """Gradient of the supervised loss: mean negative log-likelihood of the response tokens of the
+        whole mini-batch (global token count), for the warm start before RL."""
+        from megatron.core import parallel_state as ps
+
+        normalisers = global_normalisers(seqs, ps.get_data_parallel_group())
+        microbatches = self._microbatches(seqs)
+        scale = len(microbatches) * ps.get_data_parallel_world_size()
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb["input_ids"], mb["position_ids"], causal_mask(mb["input_ids"].shape[1]))
+
+            def loss_func(logits):
+                logp, _ = token_logprobs(logits, mb["labels"], self.model_config, False, self.logprob_chunk_tokens)
+                nll = -(logp * mb["loss_mask"]).sum() / max(normalisers.num_tokens, 1.0)
+                return nll * scale, {"loss": nll.detach(), "tokens": mb["loss_mask"].sum().float()}
+
+            return output, loss_func
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(microbatches, forward_step, forward_only=False)
+        return self._reduce_to_all(merge_metrics(outputs) if outputs else {})
 
     def _reduce_to_all(self, raw: dict) -> dict:
         """Metrics live on the last pipeline stage: reduce over DP there, then share with every rank."""

@@ -164,14 +164,9 @@ def slurm_rendezvous(environ: Mapping[str, str]) -> tuple[str, int]:
     rendezvous``.
     """
     if "MASTER_ADDR" in environ:
-        if not environ["MASTER_ADDR"].strip():
-            raise LaunchEnvError("MASTER_ADDR is set but empty")
-        addr = environ["MASTER_ADDR"].strip()
+        addr = _master_addr(environ)
     else:
-        list_var = next((v for v in ("SLURM_NODELIST", "SLURM_JOB_NODELIST") if v in environ), None)
-        if list_var is None:
-            raise LaunchEnvError("neither SLURM_NODELIST nor SLURM_JOB_NODELIST is set (and no MASTER_ADDR)")
-        addr = _hosts(environ, list_var)[0]
+        addr = _hosts(environ, _nodelist_variable(environ))[0]
     if "MASTER_PORT" in environ:
         port = _port(environ, "MASTER_PORT", 1)
     elif "SLURM_JOB_ID" in environ:
@@ -179,6 +174,21 @@ def slurm_rendezvous(environ: Mapping[str, str]) -> tuple[str, int]:
     else:
         raise LaunchEnvError("SLURM_JOB_ID is not set (and no MASTER_PORT): cannot derive a rendezvous port")
     return addr, port
+
+
+def _master_addr(environ: Mapping[str, str]) -> str:
+    addr = environ["MASTER_ADDR"].strip()
+    if not addr:
+        raise LaunchEnvError("MASTER_ADDR is set but empty")
+    return addr
+
+
+def _nodelist_variable(environ: Mapping[str, str]) -> str:
+    """The step's node list inside an srun step (SLURM_NODELIST), else the job's."""
+    for name in ("SLURM_NODELIST", "SLURM_JOB_NODELIST"):
+        if name in environ:
+            return name
+    raise LaunchEnvError("neither SLURM_NODELIST nor SLURM_JOB_NODELIST is set")
 
 
 def _hosts(environ: Mapping[str, str], name: str) -> list[str]:
@@ -196,7 +206,9 @@ def _check_below(index: int, size: int, message: str) -> None:
 def _from_torchrun(environ: Mapping[str, str]) -> LaunchEnv:
     missing = [v for v in _TORCHRUN_REQUIRED if v not in environ]
     if missing:
-        raise LaunchEnvError(f"RANK or WORLD_SIZE is set but {', '.join(missing)} is not (a torchrun launch sets all)")
+        raise LaunchEnvError(
+            f"RANK or WORLD_SIZE is set but {', '.join(missing)} is not (a torchrun launch sets all)"
+        )
     rank = _int(environ, "RANK")
     world_size = _int(environ, "WORLD_SIZE", 1)
     _check_below(rank, world_size, f"RANK={rank} is not below WORLD_SIZE={world_size}")
@@ -204,7 +216,8 @@ def _from_torchrun(environ: Mapping[str, str]) -> LaunchEnv:
     if has_local == (True, True):
         local_rank = _int(environ, "LOCAL_RANK")
         local_world_size = _int(environ, "LOCAL_WORLD_SIZE", 1)
-        _check_below(local_rank, local_world_size, f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}")
+        _check_below(local_rank, local_world_size,
+                     f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}")
     elif has_local == (False, False):
         # Hand-set RANK/WORLD_SIZE without the local pair (tests, mp.spawn): all ranks on one node.
         local_rank, local_world_size = rank, world_size
@@ -214,12 +227,13 @@ def _from_torchrun(environ: Mapping[str, str]) -> LaunchEnv:
         raise LaunchEnvError(
             f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={local_world_size}"
         )
-    num_nodes = _int(environ, "GROUP_WORLD_SIZE", 1) if "GROUP_WORLD_SIZE" in environ else world_size // local_world_size
+    if "GROUP_WORLD_SIZE" in environ:
+        num_nodes = _int(environ, "GROUP_WORLD_SIZE", 1)
+    else:
+        num_nodes = world_size // local_world_size
     node_rank = _int(environ, "GROUP_RANK") if "GROUP_RANK" in environ else rank // local_world_size
-    _check_below(node_rank, num_nodes, f"GROUP_RANK={node_rank} is not below the {num_nodes} nodes (GROUP_WORLD_SIZE)")
-    addr = environ["MASTER_ADDR"].strip()
-    if not addr:
-        raise LaunchEnvError("MASTER_ADDR is set but empty")
+    _check_below(node_rank, num_nodes,
+                 f"GROUP_RANK={node_rank} is not below the {num_nodes} nodes (GROUP_WORLD_SIZE)")
     return LaunchEnv(
         rank=rank,
         world_size=world_size,
@@ -227,7 +241,7 @@ def _from_torchrun(environ: Mapping[str, str]) -> LaunchEnv:
         local_world_size=local_world_size,
         node_rank=node_rank,
         num_nodes=num_nodes,
-        master_addr=addr,
+        master_addr=_master_addr(environ),
         master_port=_port(environ, "MASTER_PORT", 1),
         launcher="torchrun",
     )
@@ -253,9 +267,7 @@ def _from_slurm(environ: Mapping[str, str]) -> LaunchEnv:
         per_node = None
     else:
         raise LaunchEnvError("neither SLURM_TASKS_PER_NODE nor SLURM_NTASKS_PER_NODE is set")
-    list_var = next((v for v in ("SLURM_NODELIST", "SLURM_JOB_NODELIST") if v in environ), None)
-    if list_var is None:
-        raise LaunchEnvError("neither SLURM_NODELIST nor SLURM_JOB_NODELIST is set")
+    list_var = _nodelist_variable(environ)
     hosts = _hosts(environ, list_var)
     if per_node is None:
         per_node = [_int(environ, per_node_var, 1)] * len(hosts)
@@ -266,10 +278,12 @@ def _from_slurm(environ: Mapping[str, str]) -> LaunchEnv:
         )
     if sum(per_node) != world_size:
         raise LaunchEnvError(
-            f"{per_node_var}={environ[per_node_var]!r} adds up to {sum(per_node)} tasks, SLURM_NTASKS={world_size}"
+            f"{per_node_var}={environ[per_node_var]!r} adds up to {sum(per_node)} tasks, "
+            f"SLURM_NTASKS={world_size}"
         )
     node_rank = _int(environ, "SLURM_NODEID")
-    _check_below(node_rank, len(hosts), f"SLURM_NODEID={node_rank} is not below the {len(hosts)} hosts of {list_var}")
+    _check_below(node_rank, len(hosts),
+                 f"SLURM_NODEID={node_rank} is not below the {len(hosts)} hosts of {list_var}")
     local_rank = _int(environ, "SLURM_LOCALID")
     local_world_size = per_node[node_rank]
     _check_below(
@@ -292,9 +306,7 @@ def _from_slurm(environ: Mapping[str, str]) -> LaunchEnv:
 
 
 def _single(environ: Mapping[str, str]) -> LaunchEnv:
-    addr = environ.get("MASTER_ADDR", "127.0.0.1").strip()
-    if not addr:
-        raise LaunchEnvError("MASTER_ADDR is set but empty")
+    addr = _master_addr(environ) if "MASTER_ADDR" in environ else "127.0.0.1"
     port = _port(environ, "MASTER_PORT", 0) if "MASTER_PORT" in environ else 0
     return LaunchEnv(0, 1, 0, 1, 0, 1, addr, port, "single")
 

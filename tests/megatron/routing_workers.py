@@ -81,7 +81,7 @@ def _megatron_record_matches(model, sp_group, micro, model_config, recorder_last
     return ok
 
 
-def _layout_checks(model_config, name: str, parallel: ParallelConfig) -> dict:
+def _layout_checks(model_config, parallel: ParallelConfig) -> dict:
     from megatron.core import parallel_state as ps
 
     initialize_model_parallel(parallel, seed=0)
@@ -186,7 +186,7 @@ def _replay_gradients(model_config, checkpoint_moe: bool) -> dict:
 
 
 def routing_checks(rank: int, world_size: int, model_config) -> dict:
-    results = {name: _layout_checks(model_config, name, parallel) for name, parallel in ROUTING_LAYOUTS.items()}
+    results = {name: _layout_checks(model_config, parallel) for name, parallel in ROUTING_LAYOUTS.items()}
     results["grads_plain"] = _replay_gradients(model_config, checkpoint_moe=False)
     results["grads_recompute"] = _replay_gradients(model_config, checkpoint_moe=True)
     return results

@@ -112,7 +112,6 @@ def _records_equal(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_recorder_matches_megatrons_record_and_is_layout_free(runs, layout):
     cfg = tiny_moe_config()
@@ -130,7 +129,6 @@ def test_recorder_matches_megatrons_record_and_is_layout_free(runs, layout):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_drift_is_zero_for_same_weights_and_counts_changed_sets(runs, layout):
     for rank in range(2):
@@ -154,7 +152,6 @@ def test_drift_is_zero_for_same_weights_and_counts_changed_sets(runs, layout):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_replay_forces_recorded_experts_after_router_change(runs, layout):
     for rank in range(2):
@@ -165,7 +162,6 @@ def test_replay_forces_recorded_experts_after_router_change(runs, layout):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_replay_with_unchanged_weights_gives_the_recorded_logits(runs, layout):
     for rank in range(2):
@@ -177,7 +173,6 @@ def test_replay_with_unchanged_weights_gives_the_recorded_logits(runs, layout):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_r3_engine_rows_replay_every_fed_position(runs, layout):
     """Engine-style rows (all positions but the last) padded by experts_to_batch: every position the
@@ -191,7 +186,6 @@ def test_r3_engine_rows_replay_every_fed_position(runs, layout):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_replay_gradient_survives_activation_recomputation(runs):
     """1F1B order (forward mb0, mb1, backward mb0, mb1) with the MoE layers recomputed in backward: the
     recomputation replays its own micro-batch (REPLAY_BACKWARD), so the router gradients equal those

@@ -90,6 +90,8 @@ def test_expand_tasks_per_node_rejects(spec: str) -> None:
 def test_single_process_defaults() -> None:
     assert resolve_launch({}) == LaunchEnv(0, 1, 0, 1, 0, 1, "127.0.0.1", 0, "single")
     assert resolve_launch({"PATH": "/bin", "MASTER_PORT": "1234"}).master_port == 1234
+    with pytest.raises(LaunchEnvError, match="MASTER_ADDR is set but empty"):
+        resolve_launch({"MASTER_ADDR": ""})
 
 
 TORCHRUN = {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "1",
@@ -185,12 +187,14 @@ def test_slurm_single_task_in_the_batch_script() -> None:
     ({"SLURM_LOCALID": None}, "SLURM_PROCID is set but SLURM_LOCALID is not"),
     ({"SLURM_PROCID": "6"}, "SLURM_PROCID=6 is not below SLURM_NTASKS=6"),
     ({"SLURM_PROCID": "x"}, "SLURM_PROCID='x'"),
-    ({"SLURM_TASKS_PER_NODE": "2(x2)"}, "SLURM_TASKS_PER_NODE='2(x2)' gives 2 nodes but SLURM_NODELIST='gpu[07-09]' names 3"),
+    ({"SLURM_TASKS_PER_NODE": "2(x2)"},
+     "SLURM_TASKS_PER_NODE='2(x2)' gives 2 nodes but SLURM_NODELIST='gpu[07-09]' names 3"),
     ({"SLURM_TASKS_PER_NODE": "2(x2),1"}, "adds up to 5 tasks, SLURM_NTASKS=6"),
     ({"SLURM_TASKS_PER_NODE": "2[x3]"}, "SLURM_TASKS_PER_NODE='2[x3]': bad element"),
     ({"SLURM_TASKS_PER_NODE": None}, "neither SLURM_TASKS_PER_NODE nor SLURM_NTASKS_PER_NODE"),
     ({"SLURM_NODELIST": "gpu[07-09", "SLURM_JOB_NODELIST": None}, "SLURM_NODELIST: host list 'gpu[07-09'"),
     ({"SLURM_NODELIST": None, "SLURM_JOB_NODELIST": None}, "neither SLURM_NODELIST nor SLURM_JOB_NODELIST"),
+    ({"MASTER_ADDR": ""}, "MASTER_ADDR is set but empty"),
     ({"SLURM_NODEID": "3"}, "SLURM_NODEID=3 is not below the 3 hosts of SLURM_NODELIST"),
     ({"SLURM_LOCALID": "2"}, "SLURM_LOCALID=2 is not below the 2 tasks SLURM_TASKS_PER_NODE gives node 2"),
     ({"SLURM_JOB_ID": None}, "SLURM_JOB_ID is not set (and no MASTER_PORT)"),

@@ -38,6 +38,7 @@ def test_tiny_shape_by_hand() -> None:
     p = mp.param_counts(m)
     assert p.embedding == p.output == 80
     assert p.attention_per_layer == 8 * 8 + 2 * 8 * 4 + 8 * 8  # q, k+v, o
+    assert p.kv_per_layer == 2 * 8 * 4
     assert p.replicated_per_layer == 2 * 8 + 2 * 2 + 8 * 4  # norms, q/k norms, router
     assert p.experts_per_layer == 4 * 3 * 8 * 3
     assert mp.active_params(m) == p.dense_total(2) + 2 * 2 * 3 * 8 * 3
@@ -73,6 +74,18 @@ def test_pipeline_stage_holds_a_share_of_layers_and_one_of_embedding_or_output()
     assert pl.dense_params_per_gpu == 24 * (p.attention_per_layer + p.replicated_per_layer) + p.embedding + p.final_norm
 
 
+def test_tp_above_the_kv_groups_replicates_them() -> None:
+    """TP=8 with 4 KV groups is allowed (each KV head on 2 ranks); the layout is accepted."""
+    m = mp.MODELS["qwen3-30b-a3b"]
+    p = mp.param_counts(m)
+    tp4 = mp.plan(m, mp.Layout(gpus=8, tp=4, ep=8), **PLAN_DEFAULTS)
+    tp8 = mp.plan(m, mp.Layout(gpus=8, tp=8, ep=8), **PLAN_DEFAULTS)
+    kv = 2 * m.hidden * m.kv_heads * m.head_dim
+    # q, o and the embeddings halve from TP=4 to TP=8; k, v stay at one KV group per rank.
+    split_at_tp4 = m.layers * (p.attention_per_layer - kv) + p.embedding + p.output
+    assert tp4.dense_params_per_gpu - tp8.dense_params_per_gpu == pytest.approx(split_at_tp4 / 4 - split_at_tp4 / 8)
+
+
 def test_full_recompute_needs_less_than_none() -> None:
     m = mp.MODELS["qwen3-30b-a3b"]
     layout = mp.Layout(gpus=32, tp=4, ep=8)
@@ -83,7 +96,8 @@ def test_full_recompute_needs_less_than_none() -> None:
 
 @pytest.mark.parametrize("layout, message", [
     (dict(gpus=12, tp=8), "not a multiple of tp*pp*cp=8"),
-    (dict(gpus=16, tp=8), "tp=8 does not divide the 4 KV groups"),
+    (dict(gpus=12, tp=6), "tp=6: Megatron-Core needs"),
+    (dict(gpus=18, tp=3), "tp=3: Megatron-Core needs the 4 KV groups to be a multiple or a divisor of TP"),
     (dict(gpus=16, ep=3), "ep=3 does not divide the 128 experts"),
     (dict(gpus=8, ep=16), "not a multiple of ep*etp*pp=16"),
 ])

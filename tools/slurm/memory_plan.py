@@ -13,7 +13,8 @@ suggests. What is counted:
   and Adam m, v (12 B) sharded over the data-parallel ranks holding the same shard: dense parameters over
   DP x CP = gpus / (TP x PP), expert parameters over expert-DP = gpus / (EP x ETP x PP). Dense weights
   split over TP, experts over EP x ETP; norms and the router are replicated over TP. The worst pipeline
-  stage holds ceil(layers / PP) layers plus the embedding or the output layer (both when PP = 1).
+  stage holds ceil(layers / PP) layers plus the embedding or the output layer (both when PP = 1). With
+  TP above the number of KV groups, Megatron replicates each KV head, so k and v split only that far.
 - Activations, roughly, per micro-batch of T tokens with sequence parallelism (each TP x CP rank holds
   T / (TP x CP) tokens): per layer and token 17h bytes outside the experts (Korthikanti et al. 2022's
   15h for attention and norms with flash attention, + 2h router input) and top_k x (2h + 6F) for the
@@ -63,6 +64,7 @@ class ParamCounts:
     embedding: int
     output: int
     attention_per_layer: int  # q, k, v, o projections: split over TP
+    kv_per_layer: int  # the k, v part: split over at most kv_heads ranks (replicated beyond)
     replicated_per_layer: int  # two RMSNorms, q/k norms, router: replicated over TP
     experts_per_layer: int
     final_norm: int
@@ -80,6 +82,7 @@ def param_counts(m: MoEShape) -> ParamCounts:
         embedding=m.vocab * h,
         output=m.vocab * h,
         attention_per_layer=h * m.q_heads * d + 2 * h * m.kv_heads * d + m.q_heads * d * h,
+        kv_per_layer=2 * h * m.kv_heads * d,
         replicated_per_layer=2 * h + 2 * d + h * m.experts,
         experts_per_layer=m.experts * 3 * h * m.expert_ffn,
         final_norm=h,
@@ -109,8 +112,9 @@ class Layout:
             problems.append(f"gpus={self.gpus} is not a multiple of ep*etp*pp={self.ep * self.etp * self.pp}")
         if m.experts % self.ep:
             problems.append(f"ep={self.ep} does not divide the {m.experts} experts")
-        if m.kv_heads % self.tp:
-            problems.append(f"tp={self.tp} does not divide the {m.kv_heads} KV groups (Megatron requires it)")
+        if m.kv_heads % self.tp and self.tp % m.kv_heads:
+            problems.append(f"tp={self.tp}: Megatron-Core needs the {m.kv_heads} KV groups to be a multiple or "
+                            "a divisor of TP")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -150,7 +154,8 @@ def plan(m: MoEShape, layout: Layout, *, tokens_per_microbatch: int, recompute: 
     p = param_counts(m)
     stage_layers = math.ceil(m.layers / layout.pp)
     embed_and_output = p.embedding + p.output if layout.pp == 1 else max(p.embedding, p.output)
-    dense = (stage_layers * p.attention_per_layer + embed_and_output) / layout.tp \
+    dense = (stage_layers * (p.attention_per_layer - p.kv_per_layer) + embed_and_output) / layout.tp \
+        + stage_layers * p.kv_per_layer / min(layout.tp, m.kv_heads) \
         + stage_layers * p.replicated_per_layer + p.final_norm
     experts = stage_layers * p.experts_per_layer / (layout.ep * layout.etp)
     weights = 2 * (dense + experts)

@@ -1,0 +1,333 @@
+"""Megatron dist_checkpointing (``torch_dist``) checkpoints, written and read one tensor at a time.
+
+A torch_dist checkpoint is a PyTorch Distributed Checkpoint (DCP: ``.metadata`` + ``__R_F.distcp`` data
+files) plus Megatron's ``metadata.json`` and ``common.pt``. Its keys are those of the model's
+``sharded_state_dict()``: one global tensor per parameter kind, with the layer and expert numbers as
+leading axes (``model.decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
+[layers, experts, 2F, h]). Which key, global shape and offset each canonical parameter has is not
+restated here: ``checkpoint_layout`` asks Megatron, by building the model at TP=PP=EP=1 on the meta
+device (no memory) and reading its sharded state dict. A checkpoint written with one chunk per canonical
+tensor at those offsets is what a single process would save, and Megatron loads it at any TP/PP/EP
+layout (DCP reads the overlap of each rank's request with the stored chunks).
+
+Writing goes through DCP's own ``FileSystemWriter`` with a planner whose ``resolve_data`` produces each
+chunk only when the writer reaches it, so one canonical tensor is in memory at a time. Reading plans
+every request against the stored chunks once, then reads in bounded batches.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePlan, SavePlanner, TensorWriteData,
+                                                  WriteItem, WriteItemType)
+
+from gspo_megatron.conversion.errors import ConversionError, name_list
+from gspo_megatron.conversion.tables import VOCAB_PARAMS
+from gspo_megatron.megatron.model_config import ModelConfig
+
+PREFIX = "model."  # the prefix megatron/checkpoint.py gives the model's keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Where one canonical tensor lives in the checkpoint: key, global shape and its offsets there."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]  # the canonical tensor's own shape (trailing axes of the chunk)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (1,) * (len(self.global_shape) - len(self.shape)) + self.shape
+
+
+@dataclasses.dataclass
+class CheckpointLayout:
+    chunks: dict[str, Chunk]  # canonical name -> chunk
+    objects: dict[str, bytes]  # DCP key -> serialized ShardedObject (the linear layers' _extra_state)
+
+
+@contextlib.contextmanager
+def single_process_megatron() -> Iterator[None]:
+    """A one-process gloo group (in-memory store, no port) with Megatron's groups at TP=PP=EP=1."""
+    from gspo_megatron.megatron import parallel
+
+    if dist.is_initialized():
+        raise ConversionError("offline conversion runs in its own process: torch.distributed is already "
+                              "initialised here (use conversion.export.export_hf_tensors inside a job)")
+    excepthook = sys.excepthook  # init_process_group prefixes tracebacks with "[rank0]:" for good
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel.initialize_model_parallel(parallel.ParallelConfig())
+        yield
+    finally:
+        parallel.destroy()
+        sys.excepthook = excepthook
+
+
+def _meta_model(config: ModelConfig):
+    """The whole GPTModel at TP=PP=EP=1 on the meta device, with the local (non-TE) spec."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from gspo_megatron.megatron.model import transformer_config
+    from gspo_megatron.megatron.parallel import ParallelConfig
+
+    tc = dataclasses.replace(transformer_config(config, ParallelConfig()), perform_initialization=False,
+                             use_cpu_initialization=True, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_experts or None, moe_grouped_gemm=False,
+                                    qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    block = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=WrappedTorchNorm)
+    with torch.device("meta"):
+        return GPTModel(config=tc, transformer_layer_spec=block, vocab_size=config.vocab_size,
+                        max_sequence_length=config.max_position_embeddings, pre_process=True, post_process=True,
+                        share_embeddings_and_output_weights=config.tie_word_embeddings,
+                        position_embedding_type="rope", rotary_base=int(config.rope_theta))
+
+
+def checkpoint_layout(config: ModelConfig) -> CheckpointLayout:
+    """Key, global shape and offsets of every canonical parameter, as Megatron's sharded_state_dict
+    names them (needs ``single_process_megatron``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+
+    model = _meta_model(config)
+    params = dict(model.named_parameters())
+    state = model.sharded_state_dict(prefix=PREFIX)
+    apply_factories(state)  # SwiGLU fc1 becomes its gate and up halves (two chunks of one key)
+    chunks: dict[str, Chunk] = {}
+    objects: dict[str, bytes] = {}
+    for name, value in state.items():
+        if isinstance(value, ShardedObject):
+            buffer = io.BytesIO()
+            torch.save([value.data], buffer)  # Megatron stores the list of a key's local objects
+            objects[value.unique_key] = buffer.getvalue()
+            continue
+        pieces = value if isinstance(value, list) else [value]
+        if not all(isinstance(p, ShardedTensor) for p in pieces) or len({p.key for p in pieces}) != 1:
+            raise RuntimeError(f"checkpoint_layout: unexpected sharded entry {name}: {pieces}")
+        canonical = name.removeprefix(PREFIX)
+        param = params[canonical]
+        offsets = tuple(min(p.global_offset[d] for p in pieces) for d in range(len(pieces[0].global_shape)))
+        chunk = Chunk(pieces[0].key, tuple(pieces[0].global_shape), offsets, tuple(param.shape))
+        if sum(math.prod(p.local_shape) for p in pieces) != param.numel():
+            raise RuntimeError(f"checkpoint_layout: the pieces of {name} do not add up to {tuple(param.shape)}")
+        chunks[canonical] = chunk
+    return CheckpointLayout(chunks, objects)
+
+
+# ---- writing -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PlannedChunk:
+    chunk: Chunk
+    dtype: torch.dtype
+    produce: Callable[[], torch.Tensor]  # returns the canonical tensor (shape chunk.shape, this dtype)
+    name: str  # canonical name, for error messages
+
+
+class _LazySavePlanner(SavePlanner):
+    """A DCP SavePlanner over chunks that do not exist until the writer asks for them."""
+
+    def __init__(self, planned: list[PlannedChunk], objects: dict[str, bytes], on_write: Callable[[int], None]):
+        self._items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects]
+        self._sources: dict = {MetadataIndex(key): objects[key] for key in objects}
+        for p in planned:
+            index = MetadataIndex(p.chunk.key, torch.Size(p.chunk.offsets))
+            self._items.append(WriteItem(
+                index=index, type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(p.chunk.offsets), sizes=torch.Size(p.chunk.sizes)),
+                    properties=TensorProperties(dtype=p.dtype), size=torch.Size(p.chunk.global_shape))))
+            self._sources[index] = p
+        self._on_write = on_write
+
+    # the SavePlanner protocol (torch.distributed.checkpoint.planner.SavePlanner)
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        pass
+
+    def create_local_plan(self):
+        return SavePlan(items=self._items)
+
+    def create_global_plan(self, all_plans):
+        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+        plans, metadata = create_default_global_save_plan(all_plans)
+        _check_coverage(metadata)
+        return plans, metadata
+
+    def finish_plan(self, new_plan):
+        return new_plan
+
+    def resolve_data(self, write_item):
+        source = self._sources[write_item.index]
+        if isinstance(source, bytes):
+            return io.BytesIO(source)
+        tensor = source.produce()
+        if tuple(tensor.shape) != source.chunk.shape or tensor.dtype != source.dtype:
+            raise ConversionError(f"{source.name}: produced {list(tensor.shape)} {tensor.dtype}, the model "
+                                  f"needs {list(source.chunk.shape)} {source.dtype}")
+        self._on_write(tensor.numel() * tensor.element_size())
+        return tensor.reshape(source.chunk.sizes).contiguous()
+
+
+def _check_coverage(metadata) -> None:
+    """Each global tensor is covered exactly once: chunk volumes add up and no offset repeats (O(n),
+    instead of DCP's pairwise overlap check, which is quadratic in the 6,000 expert chunks of a key).
+    The chunks come from Megatron's grid, so equal volume with distinct offsets means a partition."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        offsets = [tuple(c.offsets) for c in md.chunks]
+        volume = sum(math.prod(c.sizes) for c in md.chunks)
+        if len(set(offsets)) != len(offsets) or volume != math.prod(md.size):
+            raise ConversionError(f"{key}: the planned chunks cover {volume} of {math.prod(md.size)} elements "
+                                  f"({len(offsets)} chunks, {len(offsets) - len(set(offsets))} repeated)")
+
+
+def write_checkpoint(directory: Path, planned: list[PlannedChunk], objects: dict[str, bytes],
+                     on_write: Callable[[int], None]) -> None:
+    """Write a torch_dist checkpoint into the (new, empty) ``directory``, chunks in the order given."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1,
+                                  overwrite=False)
+    dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(planned, objects, on_write), no_dist=True)
+    torch.save({}, directory / "common.pt")  # the model's sharded_state_dict has no common (unsharded) part
+    save_config(CheckpointingConfig("torch_dist", 1), str(directory))
+
+
+# ---- reading -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    name: str  # canonical name
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    shape: tuple[int, ...]  # canonical shape (sizes without the leading singleton axes)
+    dtype: torch.dtype
+
+
+class _BufferLoadPlanner(LoadPlanner):
+    """A DCP LoadPlanner that copies each read into a preallocated buffer (one per request)."""
+
+    def __init__(self, buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor]):
+        self._buffers = buffers
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        pass
+
+    def create_local_plan(self):
+        raise NotImplementedError("reads are planned by CheckpointReader")
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, central_plan):
+        return central_plan
+
+    def load_bytes(self, read_item, value) -> None:
+        raise ConversionError(f"{read_item.dest_index.fqn}: unexpected byte object in a tensor read")
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        target = self._buffers[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            target = target.narrow(dim, start, length)
+        return target
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass
+
+
+class CheckpointReader:
+    """Reads canonical tensors (any chunking: a converted checkpoint or one saved by training at any
+    TP/PP/EP layout) from a torch_dist checkpoint, in bounded batches."""
+
+    def __init__(self, directory: str | Path):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.directory = Path(directory)
+        if not (self.directory / ".metadata").is_file():
+            raise ConversionError(f"{self.directory}: not a torch_dist checkpoint (no .metadata)")
+        self._reader = FileSystemReader(str(self.directory))
+        self.metadata = self._reader.read_metadata()
+        self._reader.set_up_storage_reader(self.metadata, True)
+
+    def tensor_keys(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        return {key: (tuple(md.size), md.properties.dtype) for key, md in self.metadata.state_dict_metadata.items()
+                if isinstance(md, TensorStorageMetadata)}
+
+    def plan(self, requests: list[Request]) -> dict[str, list]:
+        """Read items per request name, after checking that the stored chunks cover every request."""
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        by_key: dict[str, list[Request]] = {}
+        for r in requests:
+            by_key.setdefault(r.key, []).append(r)
+        items: dict[str, list] = {r.name: [] for r in requests}
+        for key, group in by_key.items():
+            lookup = {r.offsets: r for r in group}
+            local = [ChunkStorageMetadata(offsets=torch.Size(r.offsets), sizes=torch.Size(r.sizes)) for r in group]
+            # one call per key: DCP's sweep over the stored chunks is O((n + m) log n)
+            for item in create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], local):
+                items[lookup[tuple(item.dest_index.offset)].name].append(item)
+        for r in requests:
+            covered = sum(math.prod(item.lengths) for item in items[r.name])
+            if covered != math.prod(r.sizes):
+                raise ConversionError(f"{self.directory}: {r.key}: the stored chunks cover {covered} of the "
+                                      f"{math.prod(r.sizes)} elements of {r.name} (offsets {list(r.offsets)})")
+        return items
+
+    def location(self, item) -> tuple[str, int]:
+        info = self._reader.storage_data[item.storage_index]
+        return info.relative_path, info.offset
+
+    def read(self, requests: list[Request], items: dict[str, list]) -> dict[str, torch.Tensor]:
+        """The canonical tensors of ``requests`` (read items from ``plan``), read in one pass."""
+        buffers = {(r.key, r.offsets): torch.empty(r.sizes, dtype=r.dtype) for r in requests}
+        plan = LoadPlan([item for r in requests for item in items[r.name]])
+        self._reader.read_data(plan, _BufferLoadPlanner(buffers)).wait()
+        return {r.name: buffers[(r.key, r.offsets)].reshape(r.shape) for r in requests}
+
+
+def requests_for(layout: CheckpointLayout, reader: CheckpointReader, vocab_size: int) -> list[Request]:
+    """One request per canonical tensor, after checking the checkpoint's keys and shapes against the
+    model (missing and unexpected ``model.`` keys are errors; other prefixes, e.g. optimizer state, are
+    ignored). Vocabulary rows may be padded in a checkpoint saved by training; only the first
+    ``vocab_size`` rows are read."""
+    stored = reader.tensor_keys()
+    expected = {c.key for c in layout.chunks.values()}
+    ours = {k for k in stored if k.startswith(PREFIX)}
+    if expected - ours:
+        raise ConversionError(f"{reader.directory}: missing tensors for this model config: "
+                              f"{name_list(expected - ours)}")
+    if ours - expected:
+        raise ConversionError(f"{reader.directory}: tensors this model config does not have: "
+                              f"{name_list(ours - expected)}")
+    requests = []
+    for name, chunk in layout.chunks.items():
+        shape, dtype = stored[chunk.key]
+        wanted = chunk.global_shape
+        vocab_ok = name in VOCAB_PARAMS and shape[0] >= vocab_size and shape[1:] == wanted[1:]
+        if shape != wanted and not vocab_ok:
+            raise ConversionError(f"{reader.directory}: {chunk.key}: global shape {list(shape)} in the checkpoint, "
+                                  f"{list(wanted)} from the model config")
+        requests.append(Request(name, chunk.key, chunk.offsets, chunk.sizes, chunk.shape, dtype))
+    return requests

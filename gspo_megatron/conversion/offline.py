@@ -1,0 +1,312 @@
+"""Offline conversion: a Hugging Face folder <-> a Megatron torch_dist checkpoint, streaming both ways.
+
+``hf_to_megatron`` reads each table entry's HF tensors when DCP's writer reaches that chunk and writes
+one layout-free checkpoint (what a single process would save): Megatron loads it at any TP/PP/EP that
+divides the model, so the ``--tp/--pp/--ep`` flags only validate divisibility, in one process.
+``megatron_to_hf`` reads any torch_dist checkpoint of the model (converted, or saved by training at any
+layout), in batches of bounded size, and writes size-capped safetensors shards whose headers are planned
+up front. Memory stays near one batch plus one tensor; outputs appear under their final name only when
+complete (temporary sibling folder, renamed at the end).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from gspo_megatron.conversion import dcp_io
+from gspo_megatron.conversion.errors import ConversionError, name_list
+from gspo_megatron.conversion.safetensors_io import (INDEX_NAME, HFCheckpoint, SafetensorsWriter, TensorSpec,
+                                                     plan_shards, write_index)
+from gspo_megatron.conversion.tables import Entry, expand, validate_layout
+from gspo_megatron.megatron.model_config import ModelConfig
+
+MODEL_CONFIG_NAME = "model_config.json"
+HF_FILES_DIR = "hf"  # inside a converted Megatron checkpoint: the HF config/tokenizer files it came with
+READ_BATCH_BYTES = 256 * 2**20
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+DTYPE_FLAGS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ---- output folders and progress ----------------------------------------------------------------
+
+def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> None:
+    for source in inputs:
+        if out.resolve() == source.resolve():
+            raise ConversionError(f"{out}: the output folder is an input folder")
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConversionError(f"{out}: output folder is not empty (pass --overwrite to replace it)")
+
+
+@contextlib.contextmanager
+def atomic_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it replaces ``out``, on failure it is removed."""
+    check_output(out, overwrite, inputs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.incomplete-", dir=out.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp)
+        raise
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
+
+
+def progress_bar(total_bytes: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled,
+                mininterval=0.5, dynamic_ncols=True)
+
+
+def copy_hf_side_files(source: Path, dest: Path) -> list[str]:
+    """Copy config, generation config, tokenizer and other non-weight files; returns their names."""
+    dest.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for path in sorted(source.iterdir()):
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and path.name != INDEX_NAME:
+            shutil.copyfile(path, dest / path.name)
+            copied.append(path.name)
+    return copied
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+# ---- shared checks -------------------------------------------------------------------------------
+
+def _check_table_matches_model(entries: list[Entry], layout: dcp_io.CheckpointLayout, config: ModelConfig) -> None:
+    """Every Megatron parameter is produced by exactly one table entry, and nothing else is."""
+    names = [e.megatron for e in entries]
+    repeated = {n for n in names if names.count(n) > 1} if len(set(names)) != len(names) else set()
+    missing, extra = set(layout.chunks) - set(names), set(names) - set(layout.chunks)
+    if repeated or missing or extra:
+        raise ConversionError(f"conversion table for {config.architecture} does not match Megatron's parameters: "
+                              f"not produced: [{name_list(missing)}]; not parameters: [{name_list(extra)}]; "
+                              f"produced twice: [{name_list(repeated)}]")
+    hf_names = [h for e in entries for h in e.hf]
+    if len(set(hf_names)) != len(hf_names):
+        raise ConversionError(f"conversion table for {config.architecture} consumes an HF tensor twice")
+
+
+def _hf_specs(entry: Entry, chunk: dcp_io.Chunk, dtype: torch.dtype) -> list[TensorSpec]:
+    return [TensorSpec(name, tuple(shape), dtype) for name, shape in zip(entry.hf, entry.transform.hf_shapes(chunk.shape))]
+
+
+# ---- HF -> Megatron ------------------------------------------------------------------------------
+
+def _check_hf_tensors(hf: HFCheckpoint, entries: list[Entry], layout: dcp_io.CheckpointLayout,
+                      config: ModelConfig) -> dict[str, torch.dtype]:
+    """Names, shapes and dtypes of the HF tensors against the table; returns each entry's dtype."""
+    expected = {h for e in entries for h in e.hf}
+    present = set(hf.tensors)
+    if expected - present:
+        raise ConversionError(f"{hf.directory}: tensors the {config.architecture} config needs are missing: "
+                              f"{name_list(expected - present)}")
+    if present - expected:
+        hint = " (config.json says tie_word_embeddings=true)" if "lm_head.weight" in present - expected else ""
+        raise ConversionError(f"{hf.directory}: unexpected tensors, not consumed by the {config.architecture} "
+                              f"table for this config.json{hint}: {name_list(present - expected)}")
+    dtypes: dict[str, torch.dtype] = {}
+    key_dtype: dict[str, tuple[torch.dtype, str]] = {}
+    for entry in entries:
+        chunk = layout.chunks[entry.megatron]
+        for name, shape in zip(entry.hf, entry.transform.hf_shapes(chunk.shape)):
+            stored = hf.tensors[name]
+            if stored.spec.shape != tuple(shape):
+                raise ConversionError(f"{stored.path}: {name}: shape {list(stored.spec.shape)} does not match "
+                                      f"config.json (expected {list(shape)})")
+        kinds = {hf.tensors[name].spec.dtype for name in entry.hf}
+        if len(kinds) > 1:
+            raise ConversionError(f"{hf.directory}: {', '.join(entry.hf)}: mixed dtypes {sorted(map(str, kinds))} "
+                                  f"cannot be fused into {entry.megatron}")
+        dtype = kinds.pop()
+        first = key_dtype.setdefault(chunk.key, (dtype, entry.hf[0]))
+        if first[0] != dtype:
+            raise ConversionError(f"{hf.directory}: {entry.hf[0]} is {dtype} but {first[1]} is {first[0]}; "
+                                  f"both go into {chunk.key}, which has one dtype")
+        dtypes[entry.megatron] = dtype
+    return dtypes
+
+
+def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                   expert_parallel: int = 1, overwrite: bool = False, progress: bool = True) -> Path:
+    """Convert a Hugging Face folder into a torch_dist checkpoint loadable at any dividing layout.
+
+    The output holds Megatron's files plus ``model_config.json`` (the ModelConfig derived from
+    config.json), ``gspo_meta.json`` (read by ``megatron/checkpoint.read_meta``) and ``hf/`` (config,
+    generation config and tokenizer files, the default template for the way back).
+    """
+    hf_dir, out = Path(hf_dir), Path(out_dir)
+    config = ModelConfig.from_hf_dir(hf_dir)
+    validate_layout(config, tensor_parallel, pipeline_parallel, expert_parallel, source=str(hf_dir / "config.json"))
+    check_output(out, overwrite, (hf_dir,))
+    entries = expand(config)
+    with dcp_io.single_process_megatron():
+        layout = dcp_io.checkpoint_layout(config)
+    _check_table_matches_model(entries, layout, config)
+    with HFCheckpoint(hf_dir) as hf:
+        dtypes = _check_hf_tensors(hf, entries, layout, config)
+        # read each source file front to back
+        ordered = sorted(entries, key=lambda e: hf.location(e.hf[0]))
+        planned = [dcp_io.PlannedChunk(layout.chunks[e.megatron], dtypes[e.megatron],
+                                       _producer(hf, e), e.megatron) for e in ordered]
+        total = sum(hf.tensors[h].spec.nbytes for h in hf.tensors)
+        with atomic_output(out, overwrite, (hf_dir,)) as tmp:
+            with progress_bar(total, "hf -> megatron", progress) as bar:
+                dcp_io.write_checkpoint(tmp, planned, layout.objects, bar.update)
+            _write_json(tmp / MODEL_CONFIG_NAME, dataclasses.asdict(config))
+            _write_json(tmp / "gspo_meta.json", {"model_config": dataclasses.asdict(config), "kind": "hf-to-megatron",
+                                                 "source": str(hf_dir.resolve())})
+            copy_hf_side_files(hf_dir, tmp / HF_FILES_DIR)
+            if hf.index is not None:  # the shard assignment, reused on the way back
+                shutil.copyfile(hf_dir / INDEX_NAME, tmp / HF_FILES_DIR / INDEX_NAME)
+    return out
+
+
+def _producer(hf: HFCheckpoint, entry: Entry):
+    return lambda: entry.transform.to_megatron([hf.read(name) for name in entry.hf])
+
+
+# ---- Megatron -> HF ------------------------------------------------------------------------------
+
+def _config_from_checkpoint(directory: Path) -> ModelConfig | None:
+    path = directory / MODEL_CONFIG_NAME
+    if path.is_file():
+        data, source = json.loads(path.read_text()), path
+    elif (directory / "gspo_meta.json").is_file() and "model_config" in json.loads((directory / "gspo_meta.json").read_text()):
+        data, source = json.loads((directory / "gspo_meta.json").read_text())["model_config"], directory / "gspo_meta.json"
+    else:
+        return None
+    from gspo_megatron.typed_config import build
+
+    return build(ModelConfig, data, str(source))
+
+
+def export_config(megatron_dir: Path, hf_template: Path | None) -> tuple[ModelConfig, Path | None]:
+    """The model config of a Megatron checkpoint and the template folder for the non-weight files.
+
+    Sources: the checkpoint's model_config.json (or gspo_meta.json's model_config) and the template's
+    config.json (``--hf-template``, else the checkpoint's own ``hf/`` folder). When both exist they must
+    describe the same model; a difference is an error naming the fields.
+    """
+    template = hf_template if hf_template is not None else (
+        megatron_dir / HF_FILES_DIR if (megatron_dir / HF_FILES_DIR / "config.json").is_file() else None)
+    ours = _config_from_checkpoint(megatron_dir)
+    theirs = ModelConfig.from_hf_dir(template) if template is not None else None
+    if ours is None and theirs is None:
+        raise ConversionError(f"{megatron_dir}: no {MODEL_CONFIG_NAME} (or gspo_meta.json model_config) and no "
+                              f"--hf-template: the model config is unknown")
+    if ours is not None and theirs is not None:
+        diff = [f.name for f in dataclasses.fields(ModelConfig) if getattr(ours, f.name) != getattr(theirs, f.name)]
+        if diff:
+            detail = ", ".join(f"{n}: {getattr(ours, n)!r} vs {getattr(theirs, n)!r}" for n in diff)
+            raise ConversionError(f"{template / 'config.json'} does not describe the model in {megatron_dir} "
+                                  f"({detail})")
+    return (ours or theirs), template
+
+
+def _write_hf_config(template: Path | None, config: ModelConfig, dest: Path, dtype: torch.dtype | None,
+                     stored_dtype: torch.dtype) -> None:
+    if template is not None:
+        copy_hf_side_files(template, dest)
+        if dtype is None:
+            return
+        data = json.loads((dest / "config.json").read_text())
+    else:
+        data = config.to_hf_dict()
+    key = "torch_dtype" if "torch_dtype" in data and "dtype" not in data else "dtype"
+    data[key] = str(dtype or stored_dtype).removeprefix("torch.")
+    _write_json(dest / "config.json", data)
+
+
+def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, hf_template: str | Path | None = None,
+                   max_shard_bytes: int | None = None, dtype: torch.dtype | None = None,
+                   overwrite: bool = False, progress: bool = True, read_batch_bytes: int = READ_BATCH_BYTES) -> Path:
+    """Convert a torch_dist checkpoint (any layout it was saved at) into a Hugging Face folder.
+
+    Without ``max_shard_bytes`` the template's shard assignment is reused when its index names the same
+    tensors (so a round trip reproduces the index), else shards are capped at 5 GB; with it, shards are
+    capped at ``max_shard_bytes``. The vocabulary is unpadded; ``dtype`` (default: as stored) casts.
+    """
+    megatron_dir, out = Path(megatron_dir), Path(out_dir)
+    template = Path(hf_template) if hf_template is not None else None
+    config, template = export_config(megatron_dir, template)
+    check_output(out, overwrite, (megatron_dir,) + ((template,) if template else ()))
+    entries = expand(config)
+    reader = dcp_io.CheckpointReader(megatron_dir)
+    with dcp_io.single_process_megatron():
+        layout = dcp_io.checkpoint_layout(config)
+    _check_table_matches_model(entries, layout, config)
+    requests = {r.name: r for r in dcp_io.requests_for(layout, reader, config.vocab_size)}
+    items = reader.plan(list(requests.values()))
+    by_name = {e.megatron: e for e in entries}
+    specs = [s for e in entries for s in _hf_specs(e, layout.chunks[e.megatron], dtype or requests[e.megatron].dtype)]
+    template_index = None
+    if max_shard_bytes is None and template is not None and (template / INDEX_NAME).is_file():
+        template_index = json.loads((template / INDEX_NAME).read_text())
+    plan = plan_shards(specs, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, template_index)
+    file_of = {s.name: file for file, group in plan.files.items() for s in group}
+    # read the checkpoint's data files front to back
+    order = sorted(requests.values(), key=lambda r: reader.location(items[r.name][0]))
+    with atomic_output(out, overwrite, (megatron_dir,) + ((template,) if template else ())) as tmp:
+        with contextlib.ExitStack() as stack:
+            writers = {file: stack.enter_context(_closing(SafetensorsWriter(tmp / file, group)))
+                       for file, group in plan.files.items()}
+            bar = stack.enter_context(progress_bar(sum(s.nbytes for s in specs), "megatron -> hf", progress))
+            for batch in _batches(order, read_batch_bytes):
+                tensors = reader.read(batch, items)
+                for request in batch:
+                    entry = by_name[request.name]
+                    for name, tensor in zip(entry.hf, entry.transform.to_hf(tensors.pop(request.name))):
+                        tensor = tensor.to(dtype) if dtype is not None else tensor
+                        writers[file_of[name]].write(name, tensor)
+                        bar.update(tensor.numel() * tensor.element_size())
+        if plan.index is not None:
+            write_index(tmp, plan.index)
+        stored_dtype = next(iter(requests.values())).dtype
+        _write_hf_config(template, config, tmp, dtype, stored_dtype)
+    return out
+
+
+@contextlib.contextmanager
+def _closing(writer: SafetensorsWriter) -> Iterator[SafetensorsWriter]:
+    """Close (checking completeness, fsync) on success; just release the file on failure."""
+    try:
+        yield writer
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+
+
+def _batches(requests: list[dcp_io.Request], batch_bytes: int) -> Iterator[list[dcp_io.Request]]:
+    batch, size = [], 0
+    for r in requests:
+        nbytes = r.dtype.itemsize
+        for s in r.sizes:
+            nbytes *= s
+        if batch and size + nbytes > batch_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(r)
+        size += nbytes
+    if batch:
+        yield batch

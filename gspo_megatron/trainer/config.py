@@ -1,0 +1,207 @@
+"""The one typed config tree of a training run, loaded from YAML with dotted command-line overrides.
+
+    gspo-megatron train --config examples/cpu_demo.yaml train.steps=40 loss.algorithm=grpo
+
+Every section is a dataclass validated at start-up; an error names the dotted field
+(``train.minibatches_per_step: must divide ...``). The resolved config is saved as
+``RUN_DIR/config.yaml`` with every run.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from gspo_megatron.algorithms.config import LossConfig
+from gspo_megatron.data.config import DataConfig
+from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.megatron.parallel import ParallelConfig
+from gspo_megatron.megatron.train import OptimizerConfig
+from gspo_megatron.rewards.config import RewardConfig
+from gspo_megatron.typed_config import ConfigError, build, check, to_dict
+
+
+@dataclasses.dataclass
+class ModelSection:
+    """Either ``hf_dir`` (a Hugging Face folder: config.json, safetensors, tokenizer) or an inline
+    ``config`` with random initialisation (the CPU demo). ``tokenizer_dir`` defaults to ``hf_dir``, and
+    to the repository's demo tokenizer when neither is set."""
+
+    hf_dir: str | None = None
+    config: ModelConfig | None = None
+    tokenizer_dir: str | None = None
+    init_seed: int = 1234
+
+    def validate(self, path: str) -> None:
+        check((self.hf_dir is None) != (self.config is None), f"{path}.hf_dir",
+              "set exactly one of model.hf_dir and model.config")
+
+
+@dataclasses.dataclass
+class RolloutSection:
+    """How responses are sampled. ``engine``: hf (in-process transformers, CPU default) or sglang (GPU).
+    ``logprobs_from``: pi_old for the ratio: ``recompute`` with the training model (default) or take
+    the ``engine``'s log-probs (paper section 5.4)."""
+
+    engine: Literal["hf", "sglang"] = "hf"
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    logprobs_from: Literal["recompute", "engine"] = "recompute"
+    sglang: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def validate(self, path: str) -> None:
+        check(self.samples_per_prompt >= 2, f"{path}.samples_per_prompt",
+              f"must be >= 2 (group advantages need a group), got {self.samples_per_prompt}")
+        check(self.max_new_tokens >= 1, f"{path}.max_new_tokens", "must be >= 1")
+        check(self.temperature > 0, f"{path}.temperature", "must be > 0 for RL sampling")
+        check(0 < self.top_p <= 1, f"{path}.top_p", "must be in (0, 1]")
+
+
+@dataclasses.dataclass
+class TrainSection:
+    """steps: RL steps; prompts_per_step x samples_per_prompt responses per step, split into
+    minibatches_per_step optimizer steps (the paper uses 4). routing_replay: off | r2 | r3."""
+
+    steps: int = 20
+    prompts_per_step: int = 8
+    minibatches_per_step: int = 4
+    max_tokens_per_microbatch: int = 2048
+    routing_replay: Literal["off", "r2", "r3"] = "off"
+    measure_routing_drift: bool = True
+    seed: int = 0
+
+    def validate(self, path: str) -> None:
+        check(self.steps >= 0, f"{path}.steps", "must be >= 0")
+        check(self.prompts_per_step >= 1, f"{path}.prompts_per_step", "must be >= 1")
+        check(self.minibatches_per_step >= 1, f"{path}.minibatches_per_step", "must be >= 1")
+        check(self.max_tokens_per_microbatch >= 1, f"{path}.max_tokens_per_microbatch", "must be >= 1")
+
+
+@dataclasses.dataclass
+class SFTSection:
+    """Supervised warm start before RL (the paper starts RL from a cold-start fine-tuned model).
+    ``steps: 0`` skips it. Trained on ``examples`` (prompt, reference answer) pairs of the train split."""
+
+    steps: int = 0
+    batch_size: int = 32
+    lr: float = 3e-3
+
+    def validate(self, path: str) -> None:
+        check(self.steps >= 0, f"{path}.steps", "must be >= 0")
+        check(self.batch_size >= 1, f"{path}.batch_size", "must be >= 1")
+        check(self.lr > 0, f"{path}.lr", "must be > 0")
+
+
+@dataclasses.dataclass
+class EvalSection:
+    """Held-out evaluation every ``every_steps`` (0: only at the start and the end): greedy pass@1 and
+    sampled pass@k on up to ``num_prompts`` prompts."""
+
+    every_steps: int = 5
+    num_prompts: int = 64
+    pass_k: int = 4
+    temperature: float = 1.0
+
+    def validate(self, path: str) -> None:
+        check(self.every_steps >= 0, f"{path}.every_steps", "must be >= 0")
+        check(self.num_prompts >= 1, f"{path}.num_prompts", "must be >= 1")
+        check(self.pass_k >= 1, f"{path}.pass_k", "must be >= 1")
+
+
+@dataclasses.dataclass
+class LoggingSection:
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    console: bool = True
+
+
+@dataclasses.dataclass
+class CheckpointSection:
+    """Save every ``every_steps`` (0: only at the end and on preemption), keep the last ``keep_last``."""
+
+    every_steps: int = 10
+    keep_last: int = 2
+
+    def validate(self, path: str) -> None:
+        check(self.every_steps >= 0, f"{path}.every_steps", "must be >= 0")
+        check(self.keep_last >= 1, f"{path}.keep_last", "must be >= 1")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    data: DataConfig
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    sft: SFTSection = dataclasses.field(default_factory=SFTSection)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    logging: LoggingSection = dataclasses.field(default_factory=LoggingSection)
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+
+    def validate(self, path: str) -> None:
+        responses = self.train.prompts_per_step * self.rollout.samples_per_prompt
+        check(responses >= self.train.minibatches_per_step, "train.minibatches_per_step",
+              f"must be <= prompts_per_step x samples_per_prompt = {responses}")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected dotted.key=value")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: malformed key {key!r}")
+    return key.split("."), yaml.safe_load(raw) if raw != "" else ""
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for i, key in enumerate(keys[:-1]):
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {'.'.join(keys[:i + 1])} is not a section")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read YAML ``path`` (relative data paths are resolved against the file's folder), apply
+    ``overrides``, build and validate."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        data = loaded or {}
+    data = apply_overrides(data, list(overrides))
+    if path is not None and isinstance(data.get("data"), dict):
+        # relative dataset paths are relative to the config file (so examples run from any folder)
+        for key in ("train_files", "eval_files"):
+            files = data["data"].get(key)
+            if isinstance(files, list):
+                data["data"][key] = [str((path.parent / f).resolve()) if isinstance(f, str) and not Path(f).is_absolute()
+                                     and (path.parent / f).exists() else f for f in files]
+    if "data" not in data:
+        raise ConfigError("data: required section is missing (data.train_files at least)")
+    return build(TrainConfig, data, "")
+
+
+def save_config(config: TrainConfig, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    tmp.replace(path)

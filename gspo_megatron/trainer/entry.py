@@ -1,0 +1,55 @@
+"""`gspo-megatron train`: one process, torchrun, or srun (the launch environment decides)."""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def add_train_arguments(parser: argparse.ArgumentParser, config_required: bool = True) -> None:
+    parser.add_argument("--config", required=config_required, help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.steps=10")
+    parser.add_argument("--run-dir", default=None, help="output folder (default: runs/<config name>)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="start this many local processes with torchrun (ignored under torchrun/srun)")
+
+
+def _relaunch_with_torchrun(argv: list[str], nproc: int) -> int:
+    """Re-run this command under torchrun on this machine with ``nproc`` processes."""
+    args = [a for i, a in enumerate(argv) if not (a.startswith("--nproc") or (i and argv[i - 1] == "--nproc"))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "gspo_megatron.cli", *args]
+    return subprocess.call(cmd)
+
+
+def run_training(args: argparse.Namespace, argv: list[str]) -> int:
+    from gspo_megatron.trainer.launch_env import export_for_torch, resolve_launch
+
+    launch = resolve_launch(os.environ)
+    if launch.launcher == "single" and args.nproc > 1:
+        return _relaunch_with_torchrun(argv, args.nproc)
+    os.environ.update(export_for_torch(launch, os.environ))
+
+    import torch
+
+    from gspo_megatron.megatron import parallel
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.trainer.loop import Trainer
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(launch.local_world_size, 1)))
+    config = load_config(args.config, args.overrides)  # validated before any process group exists
+    run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
+    parallel.init_process_group(launch.rank, launch.world_size, launch.master_addr, launch.master_port)
+    trainer = Trainer(config, run_dir, resume=args.resume)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+        parallel.destroy()
+    return 0

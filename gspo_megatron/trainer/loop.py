@@ -1,0 +1,402 @@
+"""The GSPO training loop. One step, in the paper's order:
+
+    rollout -> rewards -> group advantages -> old log-probs -> reference log-probs (KL > 0)
+            -> mini-batch updates -> weight sync -> metrics -> checkpoint
+
+Every rank runs this loop. Prompts are split over data-parallel ranks by prompt, so groups stay whole;
+after rollout and rewards each rank holds the whole rollout batch (it is small: token ids and scalars),
+computes the group advantages itself, and trains on its share of each mini-batch. On CPU the
+transformers rollout engine lives in each training process (colocated) and receives the new weights
+after every step without touching disk.
+
+Randomness is a pure function of (train.seed, step, rank): every step reseeds, so a run resumed from a
+checkpoint draws exactly the samples the uninterrupted run would have drawn.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.algorithms.advantages import group_advantages
+from gspo_megatron.megatron import checkpoint as ckpt
+from gspo_megatron.megatron import sharding
+from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.megatron.parallel import initialize_model_parallel
+from gspo_megatron.megatron.train import (OptimizerConfig, PolicyModel, TrainSequence, iter_minibatches,
+                                          split_for_data_parallel)
+from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.trainer.config import TrainConfig, save_config
+from gspo_megatron.typed_config import to_dict
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step * 7919 + rank * 104_729) % (2**31 - 1)
+
+
+def hf_named_tensors(policy: PolicyModel, model_config: ModelConfig):
+    """The policy's weights under Hugging Face names (every rank receives all of them).
+
+    Gathers TP / EP / PP shards into canonical tensors, then splits fused tensors with the conversion
+    tables. Holds the whole model once per rank: fine for the CPU demo; the bounded-bucket exporter in
+    ``conversion`` serves large models.
+    """
+    from gspo_megatron.conversion.tables import expand
+
+    canonical = sharding.full_state_dict(policy.module, model_config.vocab_size)
+    for entry in expand(model_config):
+        for name, tensor in zip(entry.hf, entry.transform.to_hf(canonical[entry.megatron])):
+            yield name, tensor
+
+
+class Trainer:
+    """Builds everything from a ``TrainConfig`` and runs the loop (see the module docstring)."""
+
+    def __init__(self, config: TrainConfig, run_dir: str | Path, resume: bool = False):
+        from megatron.core import parallel_state as ps
+
+        from gspo_megatron.data.dataset import load_prompt_datasets
+        from gspo_megatron.data.iterator import PromptIterator
+        from gspo_megatron.rewards.pool import build_reward_pool
+        from gspo_megatron.trainer.metrics_log import MetricsLogger, truncate_after
+        from gspo_megatron.trainer.preemption import PreemptionFlag
+
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.rank = dist.get_rank()
+        self.is_main = self.rank == 0
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(config, self.run_dir / "config.yaml")
+        initialize_model_parallel(config.parallel, seed=config.model.init_seed)
+        self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+
+        self.tokenizer = self._load_tokenizer()
+        self.model_config = self._model_config()
+        self.policy = PolicyModel(self.model_config, config.parallel, config.optimizer, config.loss,
+                                  max_tokens_per_microbatch=config.train.max_tokens_per_microbatch)
+        self.reference = None
+        if config.loss.kl_coef > 0:
+            # a frozen copy of the initial weights; built only when the KL term is on
+            self.reference = PolicyModel(self.model_config, config.parallel, config.optimizer, config.loss,
+                                         max_tokens_per_microbatch=config.train.max_tokens_per_microbatch)
+        self.engine = self._build_engine()
+        self.train_data, self.eval_data = load_prompt_datasets(config.data, self.tokenizer)
+        self.prompts = PromptIterator(self.train_data, config.train.prompts_per_step, seed=config.data.seed,
+                                      shuffle=config.data.shuffle)
+        self.rewards = build_reward_pool(config.rewards)
+        self.preemption = PreemptionFlag()
+        self.preemption.install()
+        self.step = 0
+        self.faults = {"skipped_updates": 0, "reward_failures": 0, "engine_restarts": 0}
+
+        latest = self.latest_checkpoint() if resume else None
+        if latest is not None:
+            self.load_checkpoint(latest)
+        else:
+            self._initialise_weights()
+            if config.sft.steps:
+                self.warm_start()
+            if self.reference is not None:
+                # the frozen reference is the policy RL starts from (after the warm start)
+                self._copy_weights(self.policy, self.reference)
+        self.sync_weights()
+        if self.is_main:
+            truncate_after(self.run_dir, self.step)
+        self.logger = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=config.logging.tensorboard,
+                                    wandb_project=config.logging.wandb_project, total_steps=config.train.steps,
+                                    console=config.logging.console)
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        from gspo_megatron.data.tokenizer import demo_tokenizer_path
+
+        source = self.config.model.tokenizer_dir or self.config.model.hf_dir or demo_tokenizer_path()
+        return AutoTokenizer.from_pretrained(source)
+
+    def _model_config(self) -> ModelConfig:
+        if self.config.model.hf_dir is not None:
+            return ModelConfig.from_hf_dir(self.config.model.hf_dir)
+        return self.config.model.config
+
+    def _build_engine(self):
+        if self.config.rollout.engine == "hf":
+            from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+
+            return HFRolloutEngine(self.model_config.to_hf_config(), init_seed=self.config.model.init_seed)
+        from gspo_megatron.rollout.sglang_config import SGLangConfig
+        from gspo_megatron.rollout.sglang_engine import SGLangEngine
+        from gspo_megatron.typed_config import build
+
+        return SGLangEngine.from_config(build(SGLangConfig, self.config.rollout.sglang, "rollout.sglang"))
+
+    def _initialise_weights(self) -> None:
+        """Load HF weights when given; otherwise keep Megatron's seeded random initialisation."""
+        if self.config.model.hf_dir is None:
+            return
+        from gspo_megatron.conversion.safetensors_io import HFCheckpoint
+        from gspo_megatron.conversion.tables import expand
+
+        with HFCheckpoint(self.config.model.hf_dir) as hf:
+            canonical = {e.megatron: e.transform.to_megatron([hf.read(n) for n in e.hf])
+                         for e in expand(self.model_config)}
+        sharding.load_full_state_dict(self.policy.module, canonical)
+
+    @staticmethod
+    def _copy_weights(src: PolicyModel, dst: PolicyModel) -> None:
+        with torch.no_grad():
+            for p_dst, p_src in zip(dst.module.parameters(), src.module.parameters()):
+                p_dst.copy_(p_src)
+
+    # ---- supervised warm start -------------------------------------------------------------------
+    def warm_start(self) -> None:
+        """A short supervised stage on reference answers (documented first stage of the CPU demo)."""
+        from gspo_megatron.data.chat import encode
+
+        cfg = self.config.sft
+        samples = list(self.train_data)
+        eos = self.tokenizer.eos_token_id
+        self.policy.reset_optimizer(lr=cfg.lr)
+        gen = torch.Generator().manual_seed(self.config.train.seed)
+        for step in range(cfg.steps):
+            picks = torch.randint(0, len(samples), (cfg.batch_size,), generator=gen).tolist()
+            seqs = []
+            for i in picks:
+                s = samples[i]
+                response = encode(self.tokenizer, str(s.answer)) + [eos]
+                seqs.append(TrainSequence(torch.tensor(s.prompt_ids + response), len(s.prompt_ids)))
+            mine = split_for_data_parallel(seqs, self.dp_size, self.dp_rank)
+            raw = self.policy.sft_forward_backward(mine)
+            self.policy.optimizer_step()
+            if self.is_main and (step % 20 == 0 or step == cfg.steps - 1):
+                print(f"sft step {step + 1}/{cfg.steps}: nll {float(raw['loss']):.4f}", flush=True)
+        self.policy.reset_optimizer()  # RL starts from a fresh Adam state and the RL schedule
+
+    # ---- one RL step -----------------------------------------------------------------------------
+    def rollout(self, prompts, seed: int, samples_per_prompt: int, temperature: float, max_new_tokens: int):
+        """Generate this DP rank's share of ``prompts``, score it, and gather the whole batch on every
+        rank: a list (in prompt order) of (prompt sample, [sample x G], [reward x G])."""
+        r = self.config.rollout
+        mine = split_for_data_parallel(prompts, self.dp_size, self.dp_rank)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=r.top_p,
+                                top_k=r.top_k, stop_token_ids=[self.tokenizer.eos_token_id], seed=seed)
+        samples = self.engine.generate([p.prompt_ids for p in mine], samples_per_prompt, params) if mine else []
+        texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        batch = [(mine[i // samples_per_prompt], t) for i, t in enumerate(texts)]
+        rewards, reward_metrics = self.rewards.score(batch) if batch else ([], {})
+        local = []
+        for k, prompt in enumerate(mine):
+            group = slice(k * samples_per_prompt, (k + 1) * samples_per_prompt)
+            local.append((prompt, samples[group], rewards[group]))
+        parts = [None] * self.dp_size
+        from megatron.core import parallel_state as ps
+
+        dist.all_gather_object(parts, (local, reward_metrics), group=ps.get_data_parallel_group())
+        gathered = [item for part, _ in parts for item in part]
+        merged_metrics: dict[str, float] = {}
+        for _, m in parts:
+            for key, value in m.items():
+                merged_metrics[key] = merged_metrics.get(key, 0.0) + float(value) / self.dp_size
+        return gathered, merged_metrics
+
+    def train_step(self) -> dict[str, float]:
+        cfg = self.config
+        G = cfg.rollout.samples_per_prompt
+        torch.manual_seed(step_seed(cfg.train.seed, self.step, self.rank))
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+
+        # 1-2. rollout and rewards
+        prompts = next(self.prompts)
+        batch, reward_metrics = self.rollout(prompts, step_seed(cfg.train.seed, self.step, self.dp_rank + 1), G,
+                                             cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+        timings["time_rollout_s"] = time.perf_counter() - t0
+
+        # 3. group advantages (Eq. 6) over whole groups
+        rewards = torch.tensor([r for _, _, rs in batch for r in rs], dtype=torch.float32).view(len(batch), G)
+        adv = group_advantages(rewards, estimator=cfg.loss.advantage_estimator, eps=cfg.loss.advantage_eps,
+                               batch_norm=cfg.loss.advantage_batch_norm)
+        seqs: list[TrainSequence] = []
+        for (prompt, samples, _), advantages in zip(batch, adv.advantages):
+            for sample, a in zip(samples, advantages.tolist()):
+                tokens = torch.tensor(list(prompt.prompt_ids) + list(sample.response_ids), dtype=torch.long)
+                seqs.append(TrainSequence(tokens, len(prompt.prompt_ids), advantage=a,
+                                          rollout_logprobs=torch.tensor(sample.logprobs, dtype=torch.float32)))
+        seqs = [q for q in seqs if q.response_len > 0]
+        minibatches = list(iter_minibatches(seqs, cfg.train.minibatches_per_step))
+        shares = [split_for_data_parallel(mb, self.dp_size, self.dp_rank) for mb in minibatches]
+        my_seqs = [q for share in shares for q in share]
+
+        # 4. old log-probs: recomputed by the training model (default) or the engine's
+        t1 = time.perf_counter()
+        if cfg.rollout.logprobs_from == "recompute":
+            old = self.policy.compute_logprobs(my_seqs)
+            for q, o in zip(my_seqs, old):
+                q.old_logprobs = o["logprobs"]
+        else:
+            for q in my_seqs:
+                q.old_logprobs = q.rollout_logprobs
+        # 5. reference log-probs when the KL term is on
+        if self.reference is not None:
+            for q, o in zip(my_seqs, self.reference.compute_logprobs(my_seqs)):
+                q.ref_logprobs = o["logprobs"]
+        timings["time_logprobs_s"] = time.perf_counter() - t1
+
+        # 6. one optimizer step per mini-batch
+        t2 = time.perf_counter()
+        update_metrics = []
+        for share in shares:
+            update_metrics.append(self.policy.train_minibatch(share))
+        self.faults["skipped_updates"] = self.policy.skipped_steps
+        timings["time_update_s"] = time.perf_counter() - t2
+
+        # routing drift after the updates, on the first mini-batch (paper: ~10% after one update)
+        metrics: dict[str, float] = {}
+        t3 = time.perf_counter()
+        # 7. weight sync to the rollout engine
+        self.sync_weights()
+        timings["time_sync_s"] = time.perf_counter() - t3
+
+        # 8. metrics
+        metrics.update(_mean_dicts(update_metrics))
+        metrics["reward_mean"] = float(rewards.mean())
+        metrics["reward_std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
+        metrics["accuracy"] = float((rewards >= 1.0).float().mean())
+        metrics["zero_variance_group_frac"] = float(adv.zero_variance.float().mean())
+        lengths = torch.tensor([len(s.response_ids) for _, samples, _ in batch for s in samples], dtype=torch.float32)
+        metrics["response_length_mean"] = float(lengths.mean())
+        metrics.update(_logprob_gap(my_seqs, self.policy.model_config))
+        metrics.update({f"reward/{k}": v for k, v in reward_metrics.items()})
+        metrics.update(timings)
+        total = time.perf_counter() - t0
+        metrics["time_step_s"] = total
+        metrics["tokens_per_s"] = float(sum(q.tokens.numel() for q in seqs)) / max(total, 1e-9)
+        metrics.update({f"faults/{k}": float(v) for k, v in self.faults.items()})
+        return metrics
+
+    # ---- weights, evaluation, checkpoints --------------------------------------------------------
+    def sync_weights(self) -> None:
+        names = hf_named_tensors(self.policy, self.model_config)
+        self.engine.update_weights(list(names), final=True)
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy pass@1 (temperature ~0) and sampled pass@k on the held-out prompts."""
+        cfg = self.config.eval
+        data = self.eval_data if self.eval_data is not None else self.train_data
+        prompts = list(data)[:cfg.num_prompts]
+        seed = step_seed(self.config.train.seed + 17, self.step, self.dp_rank)
+        greedy, _ = self.rollout(prompts, seed, 1, 1e-5, self.config.rollout.max_new_tokens)
+        out = {"eval_accuracy": sum(float(rs[0] >= 1.0) for _, _, rs in greedy) / max(len(greedy), 1)}
+        if cfg.pass_k > 1:
+            sampled, _ = self.rollout(prompts, seed + 1, cfg.pass_k, cfg.temperature, self.config.rollout.max_new_tokens)
+            out[f"eval_pass@{cfg.pass_k}"] = sum(float(max(rs) >= 1.0) for _, _, rs in sampled) / max(len(sampled), 1)
+        return out
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.run_dir / "checkpoints" / f"step_{step:06d}"
+
+    def latest_checkpoint(self) -> Path | None:
+        root = self.run_dir / "checkpoints"
+        if not root.is_dir():
+            return None
+        done = sorted(p for p in root.iterdir() if p.name.startswith("step_") and (p / "gspo_meta.json").is_file()
+                      and not p.name.endswith((".incomplete", ".old")))
+        return done[-1] if done else None
+
+    def _sharded_state(self) -> dict:
+        state = self.policy.sharded_state_dict()
+        if self.reference is not None:
+            state["reference"] = self.reference.module.sharded_state_dict(prefix="reference.")
+        return state
+
+    def save_checkpoint(self) -> Path:
+        meta = {"step": self.step, "data": self.prompts.state_dict(), "faults": self.faults,
+                "config": to_dict(self.config)}
+        path = ckpt.save(self._sharded_state(), self.checkpoint_dir(self.step), common=meta, overwrite=True)
+        if self.is_main:
+            done = sorted(p for p in path.parent.iterdir() if p.name.startswith("step_") and p.suffix == "")
+            for old in done[:-self.config.checkpoint.keep_last]:
+                shutil.rmtree(old)
+        dist.barrier()
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        state = ckpt.load(self._sharded_state(), path)
+        self.policy.load_sharded_state_dict(state)
+        if self.reference is not None:
+            self.reference.module.load_state_dict(
+                {k.removeprefix("reference."): v for k, v in state["reference"].items()}, strict=True)
+        meta = ckpt.read_meta(path)
+        self.step = int(meta["step"])
+        self.prompts.load_state_dict(meta["data"])
+        self.faults.update(meta["faults"])
+        if self.is_main:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def preempted(self) -> bool:
+        flag = torch.tensor([1.0 if self.preemption.requested else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def run(self) -> dict[str, float]:
+        cfg = self.config
+        last: dict[str, float] = {}
+        if self.step == 0:
+            last = self.evaluate()
+            self.logger.log(0, last)
+        while self.step < cfg.train.steps:
+            metrics = self.train_step()
+            self.step += 1
+            every = cfg.eval.every_steps
+            if (every and self.step % every == 0) or self.step == cfg.train.steps:
+                metrics.update(self.evaluate())
+            self.logger.log(self.step, metrics)
+            last = metrics
+            saving = cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0
+            if saving or self.step == cfg.train.steps:
+                self.save_checkpoint()
+            if self.preempted():
+                if not saving and self.step != cfg.train.steps:
+                    self.save_checkpoint()
+                if self.is_main:
+                    print(f"preempted: checkpoint saved at step {self.step}; exiting", flush=True)
+                break
+        return last
+
+    def close(self) -> None:
+        self.logger.close()
+        self.rewards.close()
+        self.engine.shutdown()
+        self.preemption.uninstall()
+
+
+def _mean_dicts(parts: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for p in parts for k in p}
+    out = {}
+    for key in keys:
+        values = [p[key] for p in parts if key in p and math.isfinite(p[key])]
+        out[key] = sum(values) / len(values) if values else float("nan")
+    if "clip_frac_low_seq" in out and "clip_frac_high_seq" in out:
+        out["clip_frac_seq"] = out["clip_frac_low_seq"] + out["clip_frac_high_seq"]
+    if "clip_frac_low_token" in out and "clip_frac_high_token" in out:
+        out["clip_frac_token"] = out["clip_frac_low_token"] + out["clip_frac_high_token"]
+    return out
+
+
+def _logprob_gap(seqs: list[TrainSequence], model_config) -> dict[str, float]:
+    """Training/inference mismatch: |log pi_old (training model) - log pi_rollout (engine)| per token."""
+    diffs = [(q.old_logprobs - q.rollout_logprobs).abs() for q in seqs
+             if q.old_logprobs is not None and q.rollout_logprobs is not None and q.response_len > 0]
+    if not diffs:
+        return {}
+    flat = torch.cat(diffs)
+    return {"logprob_gap_mean": float(flat.mean()), "logprob_gap_max": float(flat.max())}

@@ -1,0 +1,75 @@
+"""LossConfig (typed, validated, paper defaults) and the reducible metrics."""
+import pytest
+import torch
+
+from gspo_megatron.algorithms import METRICS, LossConfig, finalize_metrics, merge_metrics
+from gspo_megatron.typed_config import ConfigError, build, to_dict
+
+
+def test_paper_defaults():
+    gspo = build(LossConfig, {}, "loss")
+    assert (gspo.algorithm, gspo.clip_low, gspo.clip_high, gspo.kl_coef) == ("gspo", 3e-4, 4e-4, 0.0)
+    grpo = build(LossConfig, {"algorithm": "grpo"}, "loss")
+    assert (grpo.clip_low, grpo.clip_high) == (0.2, 0.27)
+    assert build(LossConfig, {"algorithm": "gspo_token"}, "loss").clip_high == 4e-4
+    explicit = build(LossConfig, {"algorithm": "grpo", "clip_low": 0.1}, "loss")
+    assert (explicit.clip_low, explicit.clip_high) == (0.1, 0.27)
+    assert to_dict(gspo)["clip_low"] == 3e-4  # the resolved value is what gets saved
+
+
+@pytest.mark.parametrize(
+    "mapping, field",
+    [
+        ({"algorithm": "ppo"}, "loss.algorithm"),
+        ({"clip_low": 1.5}, "loss.clip_low"),
+        ({"clip_high": 0.0}, "loss.clip_high"),
+        ({"aggregation": "token_mean"}, "loss.aggregation"),
+        ({"algorithm": "grpo", "aggregation": "token_sum"}, "loss.constant_length_tokens"),
+        ({"kl_coef": -0.1}, "loss.kl_coef"),
+        ({"kl_estimator": "k4"}, "loss.kl_estimator"),
+        ({"entropy_coef": -1.0}, "loss.entropy_coef"),
+        ({"tis_mode": "token"}, "loss.tis_mode"),
+        ({"tis_cap": 0.0}, "loss.tis_cap"),
+        ({"advantage_eps": 0.0}, "loss.advantage_eps"),
+        ({"advantage_estimator": "rloo"}, "loss.advantage_estimator"),
+        ({"clip_lo": 0.1}, "loss.clip_lo"),
+    ],
+)
+def test_invalid_settings_name_the_field(mapping, field):
+    with pytest.raises(ConfigError, match=f"^{field}:"):
+        build(LossConfig, mapping, "loss")
+
+
+def test_valid_combinations_build():
+    build(LossConfig, {"algorithm": "grpo", "aggregation": "token_sum", "constant_length_tokens": 1024, "tis_mode": "token"}, "loss")
+    build(LossConfig, {"algorithm": "gspo", "tis_mode": "sequence", "kl_coef": 0.01, "kl_estimator": "k2"}, "loss")
+
+
+def test_merge_and_finalize():
+    a = {"tokens": torch.tensor(4.0), "clip_low_tokens": torch.tensor(1.0), "token_ratio_min": torch.tensor(0.9), "adv_sum": torch.tensor(2.0), "adv_sq_sum": torch.tensor(4.0)}
+    b = {"tokens": torch.tensor(6.0), "clip_low_tokens": torch.tensor(2.0), "token_ratio_min": torch.tensor(0.8), "adv_sum": torch.tensor(-2.0), "adv_sq_sum": torch.tensor(6.0)}
+    merged = merge_metrics([a, b])
+    assert merged["tokens"].item() == 10 and merged["token_ratio_min"].item() == pytest.approx(0.8)
+    final = finalize_metrics(merged)
+    assert final["clip_frac_low_token"].item() == pytest.approx(0.3)
+    assert final["adv_mean"].item() == pytest.approx(0.0)
+    assert final["adv_std"].item() == pytest.approx(1.0)
+
+
+def test_finalize_of_an_empty_batch_is_finite():
+    empty = {"tokens": torch.tensor(0.0), "seqs": torch.tensor(0.0), "clip_low_tokens": torch.tensor(0.0), "seq_ratio_min": torch.tensor(float("inf")), "seq_ratio_max": torch.tensor(float("-inf"))}
+    final = finalize_metrics(empty)
+    assert all(torch.isfinite(v) for v in final.values())
+    assert final["seq_ratio_min"].item() == 0.0
+
+
+def test_unknown_metric_key_is_named():
+    with pytest.raises(KeyError, match="bogus"):
+        merge_metrics([{"bogus": torch.tensor(1.0)}])
+
+
+def test_every_metric_has_a_valid_spec():
+    for key, spec in METRICS.items():
+        assert spec.op in ("sum", "min", "max"), key
+        assert spec.per in (None, "tokens", "seqs"), key
+        assert spec.meaning, key

@@ -1,0 +1,170 @@
+"""The reward worker pool: custom rewards by import path (sync, async, batched), weights, failures
+contained and counted, workers replaced, set-up errors raised at construction."""
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+from gspo_megatron.rewards import RewardConfig, RewardPool, RewardSetupError
+from gspo_megatron.rewards.sandbox import SandboxConfig
+from gspo_megatron.typed_config import ConfigError, build
+from tests.rewards.helpers import FAST_SANDBOX, code_block, sandbox_uid_processes
+
+CUSTOM = textwrap.dedent('''
+    import asyncio, os, sys, time
+
+    def length(sample, response):
+        return len(response) / 10
+
+    async def async_double(sample, response):
+        await asyncio.sleep(0.01)
+        return 2.0 * float(sample["x"])
+
+    def batched_index(samples, responses):
+        return [float(s["x"]) + 100 for s in samples]
+
+    def flaky(sample, response):
+        if response == "raise":
+            raise RuntimeError("bad response")
+        if response == "sleep":
+            time.sleep(30)
+        if response == "exit":
+            os._exit(3)
+        if response == "string":
+            return "high"
+        if response == "nan":
+            return float("nan")
+        return 1.0
+
+    async def async_sleepy(sample, response):
+        await asyncio.sleep(30 if response == "sleep" else 0)
+        return 1.0
+
+    def torch_loaded(sample, response):
+        return float("torch" in sys.modules)
+
+    def worker_pid(sample, response):
+        return float(os.getpid())
+''')
+
+
+@pytest.fixture()
+def custom_module(tmp_path, monkeypatch):
+    """A reward module importable only through sys.path, which the pool hands to its workers."""
+    name = f"gspo_test_rewards_{os.getpid()}_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(CUSTOM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def _cfg(terms, **kw) -> RewardConfig:
+    return build(RewardConfig, {"terms": terms, **kw}, "rewards")
+
+
+def test_custom_sync_async_batched_weighted(custom_module):
+    cfg = _cfg([{"name": f"{custom_module}:length", "weight": 0.5},
+                {"name": f"{custom_module}:async_double", "weight": 1.0},
+                {"name": f"{custom_module}:batched_index", "weight": 0.01, "batched": True, "key": "idx"}],
+               num_workers=2, timeout_s=10)
+    batch = [({"x": i}, "r" * (i + 1)) for i in range(5)]
+    with RewardPool(cfg) as pool:
+        rewards, metrics = pool.score(batch)
+    expected = [0.5 * (i + 1) / 10 + 2.0 * i + 0.01 * (i + 100) for i in range(5)]
+    assert rewards == pytest.approx(expected)
+    assert metrics["rewards/length/mean"] == pytest.approx(sum((i + 1) / 10 for i in range(5)) / 5)
+    assert metrics["rewards/idx/mean"] == pytest.approx(sum(i + 100 for i in range(5)) / 5)
+    assert metrics["rewards/mean"] == pytest.approx(sum(expected) / 5)
+    assert metrics["rewards/errors"] == 0 and metrics["rewards/timeouts"] == 0
+
+
+def test_in_process_mode_gives_the_same_rewards(custom_module):
+    terms = [{"name": f"{custom_module}:length"}, {"name": f"{custom_module}:async_double", "weight": 0.5}]
+    batch = [({"x": i}, "abc" * i) for i in range(4)]
+    with RewardPool(_cfg(terms, num_workers=0)) as local, RewardPool(_cfg(terms, num_workers=1)) as pooled:
+        assert local.score(batch)[0] == pooled.score(batch)[0]
+
+
+def test_failures_score_zero_and_are_counted(custom_module):
+    cfg = _cfg([{"name": f"{custom_module}:flaky"}], num_workers=2, timeout_s=1.0)
+    with RewardPool(cfg) as pool:
+        start = time.monotonic()
+        rewards, metrics = pool.score([({}, "ok"), ({}, "raise"), ({}, "sleep"), ({}, "exit"), ({}, "string"),
+                                       ({}, "nan"), ({}, "ok")])
+        assert time.monotonic() - start < 15
+        assert rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+        assert metrics["rewards/flaky/errors"] == 4  # raise, worker exit, non-number, NaN
+        assert metrics["rewards/flaky/timeouts"] == 1
+        assert metrics["rewards/worker_restarts"] == 2  # the hung worker and the one that exited
+        assert any("bad response" in e for e in pool.recent_errors)
+        # the replaced workers serve the next batch
+        rewards, metrics = pool.score([({}, "ok")] * 4)
+        assert rewards == [1.0] * 4 and metrics["rewards/worker_restarts"] == 0
+
+
+def test_async_timeout_is_per_response(custom_module):
+    cfg = _cfg([{"name": f"{custom_module}:async_sleepy"}], num_workers=1, timeout_s=0.5)
+    with RewardPool(cfg) as pool:
+        rewards, metrics = pool.score([({}, "ok"), ({}, "sleep"), ({}, "ok")])
+    assert rewards == [1.0, 0.0, 1.0]
+    assert metrics["rewards/async_sleepy/timeouts"] == 1 and metrics["rewards/worker_restarts"] == 0
+
+
+def test_workers_do_not_import_torch(custom_module):
+    cfg = _cfg([{"name": f"{custom_module}:torch_loaded"}, {"name": f"{custom_module}:worker_pid", "weight": 0}],
+               num_workers=1)
+    with RewardPool(cfg) as pool:
+        rewards, _ = pool.score([({}, "x")])
+    assert rewards == [0.0]
+
+
+def test_bad_import_path_fails_at_setup(custom_module):
+    with pytest.raises(RewardSetupError, match=r"rewards.terms\[1\].name.*no callable 'missing'"):
+        RewardPool(_cfg([{"name": "math"}, {"name": f"{custom_module}:missing"}], num_workers=1))
+    with pytest.raises(RewardSetupError, match="cannot import module 'no_such_module_xyz'"):
+        RewardPool(_cfg([{"name": "no_such_module_xyz:f"}], num_workers=0))
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match=r"rewards.terms\[0\].name"):
+        _cfg([{"name": "not a path"}])
+    with pytest.raises(ConfigError, match=r"rewards.terms\[1\].key"):
+        _cfg([{"name": "a.b:f"}, {"name": "c.d:f"}])
+    with pytest.raises(ConfigError, match=r"rewards.math.format_regex"):
+        build(RewardConfig, {"math": {"format_weight": 0.2}}, "rewards")
+    with pytest.raises(ConfigError, match=r"rewards.code.sandbox.memory_mb"):
+        build(RewardConfig, {"code": {"sandbox": {"memory_mb": 8}}}, "rewards")
+
+
+def test_hostile_code_through_the_pool_leaves_workers_alive():
+    cfg = build(RewardConfig, {"terms": [{"name": "code"}], "num_workers": 2, "timeout_s": 20,
+                               "code": {"sandbox": FAST_SANDBOX}}, "rewards")
+    tests = {"inputs": ["2 3\n"], "outputs": ["5\n"]}
+    hostile = [
+        "while True: pass",
+        "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass",
+        "x = bytearray(10**10)",
+        "import sys\nwhile True: sys.stdout.write('z' * 65536)",
+        "import os, signal\nfor p in (os.getppid(), 1, -1):\n    try: os.kill(p, signal.SIGKILL)\n    except OSError: pass",
+        "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)\nprint(5)",
+    ]
+    good = "a, b = map(int, input().split())\nprint(a + b)"
+    with RewardPool(cfg) as pool:
+        pids = pool.worker_pids
+        rewards, metrics = pool.score([({"tests": tests}, code_block(src)) for src in hostile + [good]])
+        assert rewards == [0.0] * len(hostile) + [1.0]
+        assert metrics["rewards/errors"] == 0 and metrics["rewards/worker_restarts"] == 0
+        assert pool.worker_pids == pids  # no worker was killed by what the code did
+        assert sandbox_uid_processes(SandboxConfig()) == []
+
+
+def test_score_after_close_raises(custom_module):
+    pool = RewardPool(_cfg([{"name": f"{custom_module}:length"}], num_workers=1))
+    pool.close()
+    pool.close()  # idempotent
+    with pytest.raises(RuntimeError, match="after close"):
+        pool.score([({}, "x")])

@@ -1,0 +1,164 @@
+"""Hostile programs: each is contained, the parent (this test process and the reward workers) stays
+alive, nothing is left running, and the reward is 0.
+
+These run for real on this machine. The isolation report says which layers were active; tests for a
+layer that the machine cannot provide are skipped with the reason (as root on Linux >= 5.12, none is).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+
+import pytest
+
+from gspo_megatron.rewards.code import CodeRewardConfig, code_reward
+from gspo_megatron.rewards.sandbox import Run, _expose_paths, probe_isolation, run_in_sandbox
+from tests.rewards.helpers import code_block, fast_sandbox, sandbox_uid_processes
+
+SANDBOX = fast_sandbox()
+CODE_CFG = CodeRewardConfig(sandbox=SANDBOX)
+
+
+@pytest.fixture(scope="module")
+def isolation():
+    return probe_isolation(SANDBOX)
+
+
+def _run(source: str, stdin: str = "", expected: str | None = None):
+    reply = run_in_sandbox(SANDBOX, {"solution.py": source},
+                           [Run(["solution.py"], stdin=stdin, expected_stdout=expected, return_stdout=True)])
+    assert reply.error is None, reply.error
+    return reply.runs[0]
+
+
+def _reward(source: str, expected_output: str) -> float:
+    sample = {"tests": {"inputs": [""], "outputs": [expected_output]}}
+    return code_reward(sample, code_block(source), CODE_CFG).reward
+
+
+def test_isolation_layers_reported(isolation):
+    # The report is what docs/rewards.md quotes for this machine; every key is present either way.
+    for key in ("namespaces", "net", "pid", "mount", "readonly_fs", "private_proc", "uid_drop"):
+        assert key in isolation
+    if os.geteuid() == 0:
+        assert isolation["namespaces"] == "root" and isolation["uid_drop"], isolation
+
+
+def test_infinite_loop_is_stopped():
+    start = time.monotonic()
+    run = _run("while True:\n    pass\n")
+    assert run.timed_out or run.signal is not None
+    assert time.monotonic() - start < SANDBOX.case_timeout_s + 3
+    assert _reward("while True:\n    pass\n", "never") == 0.0
+    assert sandbox_uid_processes(SANDBOX) == []
+
+
+def test_process_limit_holds_as_root(isolation):
+    if not (isolation["uid_drop"] or os.geteuid() != 0):
+        pytest.skip("root without a uid drop: RLIMIT_NPROC is not enforced for uid 0")
+    source = ("import os, time\nn = 0\nfor _ in range(200):\n    try:\n        pid = os.fork()\n"
+              "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n"
+              "    n += 1\nprint(n)\n")
+    run = _run(source)
+    assert run.exit_code == 0, run.stderr_tail
+    assert int(run.stdout) < SANDBOX.max_processes  # the program itself counts as one
+    assert sandbox_uid_processes(SANDBOX) == []  # the sleeping children were killed
+
+
+def test_fork_bomb_is_contained():
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    start = time.monotonic()
+    assert _reward(bomb, "boom") == 0.0
+    assert time.monotonic() - start < SANDBOX.case_timeout_s + 5
+    assert sandbox_uid_processes(SANDBOX) == []
+
+
+def test_memory_hog_hits_the_address_space_limit():
+    hog = "chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 1024 * 1024))\n"
+    run = _run(hog)
+    assert run.exit_code != 0
+    assert "MemoryError" in run.stderr_tail  # the rlimit stopped it, not the kernel's OOM killer
+    assert _reward(hog, "") == 0.0
+
+
+def test_writing_outside_the_working_directory_fails(tmp_path):
+    os.chmod(tmp_path, 0o777)  # even a world-writable host folder must stay untouched
+    targets = [str(tmp_path / "escape.txt"), f"/tmp/gspo-escape-{uuid.uuid4().hex}", "/etc/gspo-escape",
+               "/work/gspo-escape"]
+    source = ("ok = []\nfor p in " + repr(targets) + ":\n"
+              "    try:\n        open(p, 'w').write('x')\n        ok.append(p)\n    except OSError:\n        pass\n"
+              "open('inside.txt', 'w').write('fine')\n"  # the working directory itself is writable
+              "print('escaped' if ok else 'contained', open('inside.txt').read())\n")
+    run = _run(source)
+    assert run.stdout.strip() == "contained fine", (run.stdout, run.stderr_tail)
+    assert _reward(source, "escaped fine") == 0.0
+    for target in targets:
+        assert not os.path.exists(target), target
+
+
+def test_network_is_unreachable(isolation):
+    if not isolation["net"]:
+        pytest.skip("no network namespace on this machine: " + "; ".join(isolation["notes"]))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    source = (f"import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', {port}))\n"
+              "print('connected')\n")
+    assert _reward(source, "connected") == 0.0
+    run = _run(source)
+    assert "connected" not in (run.stdout or "") and "Error" in run.stderr_tail
+    with pytest.raises(socket.timeout):
+        listener.accept()  # nothing reached the host's loopback
+    listener.close()
+
+
+def test_signalling_the_parent_does_nothing(isolation):
+    if not (isolation["pid"] or isolation["uid_drop"]):
+        pytest.skip("without a pid namespace or a uid drop, kill(-1) would reach this user's processes")
+    me = os.getpid()
+    source = ("import os, signal\n"
+              f"for pid in ({me}, os.getppid(), 1):\n"
+              "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n"
+              "for target in (-1, 0):\n"
+              "    try:\n        os.kill(target, signal.SIGKILL) if target == -1 else os.killpg(0, signal.SIGKILL)\n"
+              "    except OSError:\n        pass\n"
+              "print('still here')\n")
+    assert _reward(source, "parent dead") == 0.0
+    assert os.getpid() == me  # this process (the sandbox's parent) survived
+    run = _run("print(input())", stdin="alive\n", expected="alive")
+    assert run.passed  # and the sandbox still works afterwards
+
+
+def test_flooding_stdout_is_cut_off():
+    start = time.monotonic()
+    run = _run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n")
+    assert run.output_overflow
+    assert len(run.stdout) <= SANDBOX.max_output_bytes
+    assert time.monotonic() - start < SANDBOX.case_timeout_s  # killed on overflow, not at the deadline
+    assert _reward("while True:\n    print('y' * 1000)\n", "y") == 0.0
+
+
+def test_environment_secrets_are_not_visible(monkeypatch, isolation):
+    secret = f"s3cret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("GSPO_TEST_SECRET_TOKEN", secret)
+    source = ("import os\nfound = [v for v in os.environ.values() if v.startswith('s3cret-')]\n"
+              "for pid in os.listdir('/proc'):\n"
+              "    for name in ('environ', 'cmdline'):\n"
+              "        try:\n            data = open(f'/proc/{pid}/{name}', 'rb').read()\n"
+              "        except OSError:\n            continue\n"
+              "        found += [part.decode(errors='replace').split('=', 1)[-1] for part in data.split(b'\\0')\n"
+              "                  if b's3cret-' in part]\n"
+              "print(found[0] if found else 'nothing', sorted(os.environ))\n")
+    run = _run(source)
+    assert secret not in run.stdout, run.stdout
+    assert run.stdout.startswith("nothing")
+    assert _reward(source.replace(", sorted(os.environ)", ""), secret) == 0.0
+    if "/root" in isolation["hidden_paths"]:
+        # only the path to the interpreter survives under a hidden folder (here pyenv lives in /root)
+        visible = set(eval(_run("import os\nprint(sorted(os.listdir('/root')))").stdout))
+        exposed = {p.split("/")[2] for p in _expose_paths(SANDBOX) if p.startswith("/root/")}
+        assert visible <= exposed, visible
