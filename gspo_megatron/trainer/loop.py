@@ -235,10 +235,15 @@ class Trainer:
         shares = [split_for_data_parallel(mb, self.dp_size, self.dp_rank) for mb in minibatches]
         my_seqs = [q for share in shares for q in share]
 
-        # 4. old log-probs: recomputed by the training model (default) or the engine's
+        # 4. old log-probs: recomputed by the training model (default) or the engine's. The first
+        #    mini-batch's forward records the routing (for the drift after one update).
         t1 = time.perf_counter()
+        drift = self.model_config.is_moe and cfg.train.measure_routing_drift
         if cfg.rollout.logprobs_from == "recompute":
-            old = self.policy.compute_logprobs(my_seqs)
+            old = []
+            for k, share in enumerate(shares):
+                with self._recorder(drift and k == 0) as routing_before:
+                    old.extend(self.policy.compute_logprobs(share))
             for q, o in zip(my_seqs, old):
                 q.old_logprobs = o["logprobs"]
         else:
@@ -253,13 +258,15 @@ class Trainer:
         # 6. one optimizer step per mini-batch
         t2 = time.perf_counter()
         update_metrics = []
-        for share in shares:
+        metrics: dict[str, float] = {}
+        for k, share in enumerate(shares):
             update_metrics.append(self.policy.train_minibatch(share))
+            if k == 0 and drift and cfg.rollout.logprobs_from == "recompute":
+                # routing drift after one gradient update (paper: ~10% of experts change on Qwen3-30B-A3B)
+                metrics.update(self._routing_drift(shares[0], routing_before))
         self.faults["skipped_updates"] = self.policy.skipped_steps
         timings["time_update_s"] = time.perf_counter() - t2
 
-        # routing drift after the updates, on the first mini-batch (paper: ~10% after one update)
-        metrics: dict[str, float] = {}
         t3 = time.perf_counter()
         # 7. weight sync to the rollout engine
         self.sync_weights()
@@ -281,6 +288,36 @@ class Trainer:
         metrics["tokens_per_s"] = float(sum(q.tokens.numel() for q in seqs)) / max(total, 1e-9)
         metrics.update({f"faults/{k}": float(v) for k, v in self.faults.items()})
         return metrics
+
+    # ---- routing ---------------------------------------------------------------------------------
+    def _recorder(self, active: bool):
+        import contextlib
+
+        from megatron.core import parallel_state as ps
+
+        from gspo_megatron.megatron.routing import RoutingRecorder
+
+        if not active:
+            return contextlib.nullcontext()
+        sp_group = ps.get_tensor_model_parallel_group() if self.config.parallel.use_sequence_parallel else None
+        return RoutingRecorder(self.policy.module, sequence_parallel_group=sp_group)
+
+    def _routing_drift(self, share: list[TrainSequence], before) -> dict[str, float]:
+        """Fraction of (response token, layer) top-k expert sets that changed between the old-policy
+        forward and a forward after the update, over the same tokens."""
+        from megatron.core import parallel_state as ps
+
+        from gspo_megatron.megatron.routing import drift_fractions, reduce_drift, routing_drift
+
+        with self._recorder(True) as after:
+            self.policy.compute_logprobs(share)
+        mask = torch.cat([mb["loss_mask"].reshape(-1) for mb in self.policy._microbatches(share)])
+        stats = routing_drift(before.experts, after.experts, mask)
+        stats = reduce_drift(stats, ps.get_data_parallel_group())
+        fractions = drift_fractions(stats)
+        out = {"routing_drift": float(fractions["overall"])}
+        out.update({f"routing_drift/layer{i}": float(v) for i, v in enumerate(fractions["per_layer"])})
+        return out
 
     # ---- weights, evaluation, checkpoints --------------------------------------------------------
     def sync_weights(self) -> None:

@@ -8,7 +8,6 @@ through a torchrun that ignores it, to the ranks -> clean exit -> requeue) works
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from gspo_megatron.trainer.launch_env import derived_port, expand_hostlist
-from tests.slurm.cluster import REPO_ROOT, LocalSlurm, submit, submit_and_wait, wait_until
+from tests.slurm.cluster import LocalSlurm, submit, submit_and_wait, wait_until
 
 pytestmark = pytest.mark.slurm
 

@@ -70,7 +70,8 @@ class ParamCounts:
     final_norm: int
 
     def dense_total(self, layers: int) -> int:
-        return self.embedding + self.output + self.final_norm + layers * (self.attention_per_layer + self.replicated_per_layer)
+        per_layer = self.attention_per_layer + self.replicated_per_layer
+        return self.embedding + self.output + self.final_norm + layers * per_layer
 
     def expert_total(self, layers: int) -> int:
         return layers * self.experts_per_layer
@@ -199,12 +200,15 @@ def plan(m: MoEShape, layout: Layout, *, tokens_per_microbatch: int, recompute: 
 
 def _table(m: MoEShape, layout: Layout, pl: Plan, args: argparse.Namespace) -> str:
     p = param_counts(m)
+    total, experts = p.dense_total(m.layers) + p.expert_total(m.layers), p.expert_total(m.layers)
+    mem = args.gpu_mem_gib
     rows = [
-        ("model", f"{m.name}: {(p.dense_total(m.layers) + p.expert_total(m.layers)) / 1e9:.2f}B params "
-                  f"({p.expert_total(m.layers) / 1e9:.2f}B in experts), {active_params(m) / 1e9:.2f}B active"),
-        ("layout", f"{layout.gpus} GPUs: TP={layout.tp} PP={layout.pp} EP={layout.ep} ETP={layout.etp} CP={layout.cp} "
-                   f"-> DP={layout.dp}, expert-DP={layout.expert_dp}"),
-        ("params per GPU", f"{pl.dense_params_per_gpu / 1e9:.3f}B dense + {pl.expert_params_per_gpu / 1e9:.3f}B expert"),
+        ("model", f"{m.name}: {total / 1e9:.2f}B params ({experts / 1e9:.2f}B in experts), "
+                  f"{active_params(m) / 1e9:.2f}B active"),
+        ("layout", f"{layout.gpus} GPUs: TP={layout.tp} PP={layout.pp} EP={layout.ep} ETP={layout.etp} "
+                   f"CP={layout.cp} -> DP={layout.dp}, expert-DP={layout.expert_dp}"),
+        ("params per GPU", f"{pl.dense_params_per_gpu / 1e9:.3f}B dense + "
+                           f"{pl.expert_params_per_gpu / 1e9:.3f}B expert"),
         ("bf16 weights", f"{pl.weights_gib:.1f} GiB"),
         (f"{args.grad_dtype} grads", f"{pl.grads_gib:.1f} GiB"),
         ("fp32 master + Adam (sharded)", f"{pl.optimizer_gib:.1f} GiB"),
@@ -214,8 +218,8 @@ def _table(m: MoEShape, layout: Layout, pl: Plan, args: argparse.Namespace) -> s
         (f"SGLang (TP={args.sglang_tp}, mem_fraction_static={args.sglang_mem_fraction})",
          f"{pl.sglang_budget_gib:.1f} GiB: weights {pl.sglang_weights_gib:.1f} GiB, "
          f"KV room for {pl.sglang_kv_tokens:,} tokens"),
-        (f"peak, training phase (+{args.overhead_gib} GiB overhead)", f"{pl.train_phase_gib:.1f} of {args.gpu_mem_gib} GiB"),
-        (f"peak, rollout phase (+{args.overhead_gib} GiB overhead)", f"{pl.rollout_phase_gib:.1f} of {args.gpu_mem_gib} GiB"),
+        (f"peak, training phase (+{args.overhead_gib} GiB overhead)", f"{pl.train_phase_gib:.1f} of {mem} GiB"),
+        (f"peak, rollout phase (+{args.overhead_gib} GiB overhead)", f"{pl.rollout_phase_gib:.1f} of {mem} GiB"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,104 @@
+"""`gspo-megatron convert hf-to-megatron | megatron-to-hf | check` (see docs/conversion.md).
+
+Exit status: 0 on success, 1 when ``check`` finds logits further apart than ``--atol``, 2 on bad input
+(the message names the file, key or field).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from gspo_megatron.conversion.errors import ConversionError
+from gspo_megatron.typed_config import ConfigError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'5GB' -> 5e9, '512MiB' -> 512 * 2**20, '1000' -> 1000."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 512MiB, 1000000)")
+    unit = (match.group(2) or "").upper().removesuffix("B")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _layout_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gspo-megatron convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("hf-to-megatron", help="Hugging Face folder -> Megatron torch_dist checkpoint")
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--out", required=True)
+    _layout_flags(p)
+    p.epilog = ("The checkpoint is layout-free (what one process would save) and loads at any TP/PP/EP that "
+                "divides the model; --tp/--pp/--ep only check that the layout you plan to use divides it.")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = sub.add_parser("megatron-to-hf", help="Megatron torch_dist checkpoint -> Hugging Face folder")
+    p.add_argument("--megatron-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--hf-template", default=None,
+                   help="folder whose config/tokenizer files are copied (default: the checkpoint's hf/ folder)")
+    p.add_argument("--max-shard-bytes", type=parse_bytes, default=None,
+                   help="cap per safetensors file, e.g. 5GB (default: the template's sharding, else 5GB)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast (default: as stored)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = sub.add_parser("check", help="compare transformers and Megatron logits on the same tokens")
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--megatron-dir", required=True)
+    _layout_flags(p)
+    p.add_argument("--atol", type=float, default=None, help="largest allowed |logit difference| (default 1e-4)")
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(args)
+    except (ConversionError, ConfigError, FileNotFoundError) as err:  # bad input: report it, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gspo_megatron.conversion import offline
+
+    if args.command == "hf-to-megatron":
+        out = offline.hf_to_megatron(args.hf_dir, args.out, args.tp, args.pp, args.ep, overwrite=args.overwrite,
+                                     progress=not args.no_progress)
+        print(f"wrote {out}")
+        return 0
+    if args.command == "megatron-to-hf":
+        out = offline.megatron_to_hf(args.megatron_dir, args.out, args.hf_template, args.max_shard_bytes,
+                                     offline.DTYPE_FLAGS[args.dtype] if args.dtype else None,
+                                     overwrite=args.overwrite, progress=not args.no_progress)
+        print(f"wrote {out}")
+        return 0
+    from gspo_megatron.conversion import check
+
+    atol = check.DEFAULT_ATOL if args.atol is None else args.atol
+    diff = check.run_check(args.hf_dir, args.megatron_dir, args.tp, args.pp, args.ep, args.seq_len, args.seed)
+    verdict = "ok" if diff <= atol else "MISMATCH"
+    print(f"max |logits_megatron - logits_hf| = {diff:.3e} at tp={args.tp} pp={args.pp} ep={args.ep} "
+          f"(atol {atol:.1e}): {verdict}")
+    return 0 if diff <= atol else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

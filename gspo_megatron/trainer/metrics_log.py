@@ -1,0 +1,287 @@
+"""Per-step metrics: ``run_dir/metrics.jsonl`` (the record of truth), TensorBoard, Weights & Biases, a live console.
+
+``metrics.jsonl`` holds one JSON object per logged step, ``{"step": s, "reward_mean": ..., ...}``. Eval metrics
+(``eval_accuracy``) are merged into the step's dict by the trainer, so there is one line format. Every line is
+flushed and fsynced before ``log`` returns: a SIGKILL (Slurm's KillWait running out) loses at most the line being
+written, which ``read_metrics`` then skips as a partial last line.
+
+Resume: the trainer calls ``truncate_after(run_dir, step)`` before building the logger, so the file only holds
+steps the restored checkpoint has seen. The logger then reads the last step left in the file and tells
+TensorBoard to drop (``purge_step``) its events past that step, so the two sinks agree after a resume.
+"""
+from __future__ import annotations
+
+import json
+import numbers
+import os
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+WANDB_ID_FILE = "wandb_run_id.txt"
+
+# what the console table shows, in order, when present; everything still goes to the file and the sinks
+CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
+    ("reward_mean", "reward"),
+    ("accuracy", "accuracy"),
+    ("eval_accuracy", "eval acc"),
+    ("clip_frac_seq", "clip seq"),
+    ("clip_frac_token", "clip tok"),
+    ("routing_drift", "routing drift"),
+    ("logprob_gap_mean", "logp gap"),
+    ("grad_norm", "grad norm"),
+    ("time_step_s", "step s"),
+)
+
+
+class MetricsFileError(ValueError):
+    """A metrics.jsonl that is missing or cannot be read; the message names the file (and line)."""
+
+
+def metrics_path(run_dir: Path) -> Path:
+    return Path(run_dir) / METRICS_FILE
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl, in file order.
+
+    A last line without its newline that does not parse is a write cut short by a kill and is skipped; any
+    other line that is not a JSON object with an integer ``step`` raises ``MetricsFileError`` naming
+    ``path:line``. Blank lines are ignored.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MetricsFileError(f"{path}: no such metrics file")
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    # text ending in "\n" leaves "" last; anything else last is an unterminated line
+    unterminated = len(lines) - 1 if lines[-1] else None
+    records = []
+    for index, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if index == unterminated:
+                break
+            raise MetricsFileError(f"{path}:{index + 1}: not valid JSON ({err.msg} at column {err.colno})") from err
+        records.append(_check_record(record, path, index + 1))
+    return records
+
+
+def _check_record(record: Any, path: Path, line_no: int) -> dict[str, Any]:
+    if not isinstance(record, dict):
+        raise MetricsFileError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise MetricsFileError(f"{path}:{line_no}: field 'step' must be an integer, got {step!r}")
+    return record
+
+
+def truncate_after(run_dir: Path, step: int) -> int:
+    """Keep only the records of ``run_dir/metrics.jsonl`` with ``step <= step``; returns how many were kept.
+
+    Rewritten to a temp file, fsynced and renamed over the original, so a kill during the rewrite leaves
+    either the old file or the new one. Also drops a partial last line. No file: nothing to do, returns 0.
+    """
+    path = metrics_path(run_dir)
+    if not path.exists():
+        return 0
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(_json_line(r) for r in kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(kept)
+
+
+def last_step(run_dir: Path) -> int | None:
+    """The largest step recorded in ``run_dir/metrics.jsonl``, or None when there is no file or no record."""
+    path = metrics_path(run_dir)
+    if not path.exists():
+        return None
+    steps = [r["step"] for r in read_metrics(path)]
+    return max(steps) if steps else None
+
+
+def _json_line(record: dict[str, Any]) -> str:
+    return json.dumps(record, separators=(",", ":")) + "\n"
+
+
+def _as_floats(metrics: dict[str, Any]) -> dict[str, float]:
+    """Checks the values are plain numbers (a 0-d tensor would serialise as a string or fail late)."""
+    out = {}
+    for key, value in metrics.items():
+        if key == "step":
+            raise ValueError("metrics: key 'step' is reserved for the step number")
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f"metrics[{key!r}] is {type(value).__name__}, expected a number (call .item() on tensors)")
+        out[key] = float(value)
+    return out
+
+
+class MetricsLogger:
+    """Appends each step's metrics to the sinks. Every method is a no-op when ``enabled`` is False (ranks != 0).
+
+    ``total_steps`` sizes the console progress bar; ``console`` turns the console display off (the file and the
+    other sinks still run). On a terminal the display is a live progress bar plus a table of ``CONSOLE_KEYS``;
+    elsewhere (Slurm logs) it is one line per step.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, wandb_project: str | None = None,
+                 wandb_run_name: str | None = None, total_steps: int | None = None, console: bool = True):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self._file = None
+        self._tb = None
+        self._wandb_run = None
+        self._display = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        resumed_at = last_step(self.run_dir)
+        self._file = open(metrics_path(self.run_dir), "a", encoding="utf-8")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # events past the last kept jsonl step come from the run before the resume: drop them
+            purge = 0 if resumed_at is None else resumed_at + 1
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=purge)
+        if wandb_project is not None:
+            self._wandb_run = _start_wandb(self.run_dir, wandb_project, wandb_run_name)
+        if console:
+            self._display = _ConsoleDisplay(total_steps)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """One record ``{"step": step, **metrics}`` to every enabled sink."""
+        if not self.enabled:
+            return
+        values = _as_floats(metrics)
+        self._file.write(_json_line({"step": int(step), **values}))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if self._tb is not None:
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, global_step=step)
+            self._tb.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log(values, step=step)
+        if self._display is not None:
+            self._display.update(step, values)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._display is not None:
+            self._display.close()
+            self._display = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _start_wandb(run_dir: Path, project: str, name: str | None):
+    """A W&B run that a resume continues: its id is kept in ``run_dir/wandb_run_id.txt``."""
+    try:
+        import wandb
+    except ImportError as err:
+        raise ImportError("logging.wandb_project is set but wandb is not installed: pip install wandb") from err
+    id_file = run_dir / WANDB_ID_FILE
+    if id_file.exists():
+        run_id = id_file.read_text(encoding="utf-8").strip()
+    else:
+        run_id = wandb.util.generate_id()
+        id_file.write_text(run_id + "\n", encoding="utf-8")
+    return wandb.init(project=project, name=name or run_dir.name, id=run_id, resume="allow", dir=str(run_dir))
+
+
+def _format(value: float) -> str:
+    return f"{value:.4g}"
+
+
+class _ConsoleDisplay:
+    """rich display: a live progress bar + key-metric table on a terminal, a plain line per step otherwise."""
+
+    def __init__(self, total_steps: int | None):
+        from rich.console import Console
+
+        self.console = Console()
+        self.total_steps = total_steps
+        self.latest: dict[str, tuple[int, float]] = {}  # key -> (step, value); eval keys only come some steps
+        self._live = None
+        self._progress = None
+        self._task = None
+        self._step = 0
+
+    def update(self, step: int, values: dict[str, float]) -> None:
+        self._step = step
+        for key, _ in CONSOLE_KEYS:
+            if key in values:
+                self.latest[key] = (step, values[key])
+        if not self.console.is_terminal:
+            self.console.print(self._line(step), highlight=False, soft_wrap=True)
+            return
+        if self._live is None:
+            self._start(step)
+        self._progress.update(self._task, completed=step)
+        self._live.update(self._renderable(), refresh=True)
+
+    def _start(self, step: int) -> None:
+        from rich.live import Live
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self._progress = Progress(TextColumn("[bold]GSPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                  TimeRemainingColumn(), console=self.console)
+        # started at the first logged step so a resume does not count the restored steps as speed
+        self._task = self._progress.add_task("train", total=self.total_steps, completed=step)
+        self._live = Live(self._renderable(), console=self.console, auto_refresh=False)
+        self._live.start()
+
+    def _renderable(self):
+        from rich.console import Group
+        from rich.table import Table
+
+        table = Table(box=None, pad_edge=False)
+        for _, label in CONSOLE_KEYS:
+            table.add_column(label, justify="right")
+        table.add_row(*(self._cell(key, self._step) for key, _ in CONSOLE_KEYS))
+        return Group(self._progress, table)
+
+    def _cell(self, key: str, now: int) -> str:
+        """The latest value; ``@step`` marks one from an earlier step (eval runs every few steps)."""
+        if key not in self.latest:
+            return "-"
+        step, value = self.latest[key]
+        return _format(value) if step == now else f"{_format(value)}@{step}"
+
+    def _line(self, step: int) -> str:
+        total = f"/{self.total_steps}" if self.total_steps is not None else ""
+        parts = [f"step {step}{total}"]
+        parts += [f"{label} {self._cell(key, step)}" for key, label in CONSOLE_KEYS if key in self.latest]
+        return "  ".join(parts)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+
+__all__ = ["CONSOLE_KEYS", "METRICS_FILE", "MetricsFileError", "MetricsLogger", "last_step", "metrics_path",
+           "read_metrics", "truncate_after"]

@@ -1,0 +1,55 @@
+"""The demo tokenizer and task: the shipped tokenizer is what the builder makes, and a generated task
+split goes through the ordinary loader and scores 1 on its reference answers."""
+from __future__ import annotations
+
+import filecmp
+import os
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from gspo_megatron.data import (DataConfig, build_demo_tokenizer, demo_tokenizer_path, load_demo_tokenizer,
+                                load_prompt_datasets, save_demo_tokenizer, tokenize_sft_pair)
+from gspo_megatron.rewards.synthetic import TaskSpec, make_splits, sft_pairs, synthetic_reward, write_task_splits
+from gspo_megatron.typed_config import build
+
+
+def test_shipped_tokenizer_matches_a_fresh_build(tmp_path):
+    fresh = save_demo_tokenizer(tmp_path / "tok")
+    shipped = demo_tokenizer_path()
+    names = sorted(os.listdir(shipped))
+    assert names == sorted(os.listdir(fresh)) and "tokenizer.json" in names
+    match, mismatch, errors = filecmp.cmpfiles(shipped, fresh, names, shallow=False)
+    assert mismatch == [] and errors == []
+    assert all(os.path.getsize(os.path.join(shipped, n)) < 10_000 for n in names)
+
+
+def test_demo_tokenizer_properties():
+    tok = load_demo_tokenizer()
+    assert isinstance(tok, PreTrainedTokenizerFast) and isinstance(build_demo_tokenizer(), PreTrainedTokenizerFast)
+    assert len(tok) == 100 < 256
+    assert (tok.pad_token_id, tok.eos_token_id, tok.eos_token) == (0, 2, "<|im_end|>")
+    text = "sort 31 2 17\n3*(5+7) -> 36"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text) and tok.decode(ids) == text  # one token per character, lossless
+    assert tok.unk_token_id in tok("é", add_special_tokens=False)["input_ids"]
+    assert AutoTokenizer.from_pretrained(demo_tokenizer_path()).chat_template == tok.chat_template
+
+
+def test_generated_split_goes_through_the_loader_and_scores(tmp_path):
+    paths = write_task_splits(TaskSpec("countdown", 2), tmp_path / "task", num_train=40, num_eval=10, num_sft=5, seed=4)
+    assert sorted(paths) == ["eval", "sft", "train"]
+    cfg = build(DataConfig, {"train_files": [paths["train"]], "eval_files": [paths["eval"]],
+                             "fields": {"meta": "meta"}, "max_prompt_tokens": 64}, "data")
+    tok = load_demo_tokenizer()
+    train, evaluation = load_prompt_datasets(cfg, tok)
+    assert (len(train), len(evaluation)) == (40, 10)
+    for sample in list(train) + list(evaluation):
+        assert synthetic_reward(sample.__dict__, sample.answer).reward == 1.0
+        assert synthetic_reward(sample.__dict__, "1+1").reward == 0.0
+    splits = make_splits(TaskSpec("countdown", 2), num_train=40, num_eval=10, num_sft=5, seed=4)
+    assert [s.prompt for s in train] == [p.prompt for p in splits.train]  # same seed, same problems
+    prompt_ids, response_ids = tokenize_sft_pair(tok, cfg, *sft_pairs(splits.sft)[0])
+    assert prompt_ids == tok(tok.apply_chat_template([{"role": "user", "content": splits.sft[0].prompt}],
+                                                     tokenize=False, add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"]
+    assert response_ids[-1] == tok.eos_token_id
