@@ -27,10 +27,8 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from gspo_megatron.rollout.base import SamplingParams  # noqa: E402
-from gspo_megatron.rollout.hf_engine import HFRolloutEngine  # noqa: E402
+from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
 PROMPT_LENGTHS = (12, 20, 28, 36)
 SAMPLES_PER_PROMPT = 8
@@ -64,7 +62,9 @@ def make_prompts(seed: int) -> list[list[int]]:
     return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-def run_hf_generate(model, prompts: list[list[int]], stop_ids: list[int], seed: int) -> list[tuple[list[int], list[float]]]:
+def run_hf_generate(
+    model, prompts: list[list[int]], stop_ids: list[int], seed: int
+) -> list[tuple[list[int], list[float]]]:
     """model.generate on left-padded prompts; returns (response ids, log-probs) per sample."""
     width = max(len(p) for p in prompts)
     input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -114,7 +114,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--threads", type=int, default=1,
-        help="torch intra-op threads for both (1: stable timings on a shared machine; OpenMP threads spin badly when cores are oversubscribed)",
+        help="torch intra-op threads for both (1: stable timings on a shared machine; "
+        "OpenMP threads spin badly when cores are oversubscribed)",
     )
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "generate.json"))
     args = parser.parse_args()
@@ -127,7 +128,9 @@ def main() -> None:
     scenarios = {"no_stop": [], "stop": STOP_IDS}
     report: dict = {
         "command": "python benchmarks/bench_generate.py " + " ".join(sys.argv[1:]),
-        "model": "Qwen3-MoE hidden 256, 4 layers, 4 heads / 2 KV heads, 8 experts top-2 (expert FFN 128), vocab 2048, fp32",
+        "model": (
+            "Qwen3-MoE hidden 256, 4 layers, 4 heads / 2 KV heads, 8 experts top-2 (expert FFN 128), vocab 2048, fp32"
+        ),
         "batch": {
             "prompt_lengths": list(PROMPT_LENGTHS),
             "samples_per_prompt": SAMPLES_PER_PROMPT,
@@ -146,7 +149,7 @@ def main() -> None:
         "scenarios": {},
     }
     work = [(name, r) for name in scenarios for r in range(args.repeats + 1)]
-    times: dict[str, dict[str, list[float]]] = {name: {"generate_s": [], "engine_s": [], "ratio": []} for name in scenarios}
+    times = {name: {"generate_s": [], "engine_s": [], "ratio": []} for name in scenarios}
     tokens: dict[str, dict[str, int]] = {name: {} for name in scenarios}
     for name, repeat in track(work, description="generate vs engine"):
         stop_ids = scenarios[name]

@@ -199,7 +199,7 @@ def main() -> None:
             f"{r['loop_peak_token_tensors']:.2f}",
             str(r["agrees_with_loop"]),
         )
-    Console().print(table)
+    Console(width=140).print(table)
     print(f"wrote {RESULT}")
     if not all(r["agrees_with_loop"] for r in rows):
         raise SystemExit("bench_loss: a vectorised loss disagrees with its loop reference")

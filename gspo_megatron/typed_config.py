@@ -11,10 +11,12 @@ offending field first, so a user can find it in their YAML.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 from typing import Any, Literal, Mapping, TypeVar, Union, get_args, get_origin, get_type_hints
 
 T = TypeVar("T")
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 class ConfigError(ValueError):
@@ -81,6 +83,8 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
             fail(path, f"expected an integer, got {value!r}")
         return value
     if annotation is float:
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads "1e-4" (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             fail(path, f"expected a number, got {value!r}")
         return float(value)

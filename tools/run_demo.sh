@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup_env.sh
-exec .venv/bin/gspo-megatron smoke "$@"
+exec .venv/bin/gspo-megatron demo "$@"

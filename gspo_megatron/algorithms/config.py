@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from gspo_megatron.algorithms.advantages import AdvantageEstimator
 from gspo_megatron.typed_config import check
 
 Algorithm = Literal["gspo", "gspo_token", "grpo"]
@@ -45,7 +46,7 @@ class LossConfig:
     entropy_coef: float = 0.0
     tis_mode: TISMode = "none"
     tis_cap: float = 2.0
-    advantage_estimator: Literal["grpo", "dr_grpo", "loo"] = "grpo"
+    advantage_estimator: AdvantageEstimator = "grpo"
     advantage_eps: float = 1e-6
     advantage_batch_norm: bool = False
 

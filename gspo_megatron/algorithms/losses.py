@@ -258,7 +258,7 @@ def policy_metrics(batch: TokenBatch, ctx: SequenceContext) -> Metrics:
         metrics.update(_advantage_metrics(batch, ctx, share, has_tokens))
         if batch.rollout_logprobs is not None:
             gap = masked_log_ratio(batch.old_logprobs, batch.rollout_logprobs, mask)
-            metrics["rollout_abs_log_ratio_sum"] = raw(gap.abs().sum())
+            metrics["rollout_abs_log_ratio_sum"] = raw(torch.linalg.vector_norm(gap, ord=1))
     return metrics
 
 
@@ -283,7 +283,9 @@ class _ClippedTokenTerms(torch.autograd.Function):
         no_grad = clipped_low | clipped_high
         no_grad |= log_ratio.lt(-LOG_RATIO_LIMIT)
         no_grad |= log_ratio.gt(LOG_RATIO_LIMIT)
-        no_grad |= outside if gate is None else ~gate
+        no_grad |= outside
+        if gate is not None:
+            no_grad |= ~gate
         coef = ratio * advantages
         if weights is not None:
             coef.mul_(weights)

@@ -21,14 +21,20 @@ import dataclasses
 import io
 import math
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePlan, SavePlanner, TensorWriteData,
                                                   WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from gspo_megatron.conversion.errors import ConversionError, name_list
 from gspo_megatron.conversion.tables import VOCAB_PARAMS
@@ -161,8 +167,6 @@ class _LazySavePlanner(SavePlanner):
         return SavePlan(items=self._items)
 
     def create_global_plan(self, all_plans):
-        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-
         plans, metadata = create_default_global_save_plan(all_plans)
         _check_coverage(metadata)
         return plans, metadata
@@ -186,8 +190,6 @@ def _check_coverage(metadata) -> None:
     """Each global tensor is covered exactly once: chunk volumes add up and no offset repeats (O(n),
     instead of DCP's pairwise overlap check, which is quadratic in the 6,000 expert chunks of a key).
     The chunks come from Megatron's grid, so equal volume with distinct offsets means a partition."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     for key, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             continue
@@ -201,12 +203,19 @@ def _check_coverage(metadata) -> None:
 def write_checkpoint(directory: Path, planned: list[PlannedChunk], objects: dict[str, bytes],
                      on_write: Callable[[int], None]) -> None:
     """Write a torch_dist checkpoint into the (new, empty) ``directory``, chunks in the order given."""
-    import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
     writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1,
                                   overwrite=False)
-    dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(planned, objects, on_write), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        try:
+            dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(planned, objects, on_write), no_dist=True)
+        except CheckpointException as err:
+            # DCP wraps whatever a planner raised (a BaseException carrying (exception, trace) per rank);
+            # re-raise ours, e.g. a ConversionError naming the tensor, with its own traceback
+            (exception, _), = err.failures.values()
+            raise exception from None
     torch.save({}, directory / "common.pt")  # the model's sharded_state_dict has no common (unsharded) part
     save_config(CheckpointingConfig("torch_dist", 1), str(directory))
 
@@ -259,25 +268,20 @@ class CheckpointReader:
     TP/PP/EP layout) from a torch_dist checkpoint, in bounded batches."""
 
     def __init__(self, directory: str | Path):
-        from torch.distributed.checkpoint import FileSystemReader
-
         self.directory = Path(directory)
         if not (self.directory / ".metadata").is_file():
             raise ConversionError(f"{self.directory}: not a torch_dist checkpoint (no .metadata)")
-        self._reader = FileSystemReader(str(self.directory))
+        self._reader = dcp.FileSystemReader(str(self.directory))
         self.metadata = self._reader.read_metadata()
         self._reader.set_up_storage_reader(self.metadata, True)
 
     def tensor_keys(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+    
         return {key: (tuple(md.size), md.properties.dtype) for key, md in self.metadata.state_dict_metadata.items()
                 if isinstance(md, TensorStorageMetadata)}
 
     def plan(self, requests: list[Request]) -> dict[str, list]:
         """Read items per request name, after checking that the stored chunks cover every request."""
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
         by_key: dict[str, list[Request]] = {}
         for r in requests:
             by_key.setdefault(r.key, []).append(r)

@@ -45,7 +45,8 @@ class _Task:
     task_id: int
     term_index: int
     indices: list[int]  # positions in the batch
-    deadline_s: float  # seconds the worker may spend on it
+    streamed: bool  # a sync per-response term: results arrive one by one, each on its own clock
+    deadline_s: float  # per response when streamed, else for the whole task
 
 
 @dataclasses.dataclass
@@ -56,7 +57,11 @@ class _Worker:
     started_at: float
     ready: bool = False
     task: _Task | None = None
-    task_deadline: float = 0.0
+    received: int = 0  # responses of the current task already scored
+    deadline: float = 0.0  # when the current response (streamed) or task times out
+
+
+Results = dict[tuple[int, int], Outcome]  # (term index, batch position) -> outcome
 
 
 def _kill(worker: _Worker) -> None:
@@ -108,7 +113,7 @@ class RewardPool:
             self._workers.extend(self._spawn() for _ in range(cfg.num_workers))
             deadline = time.monotonic() + cfg.startup_timeout_s
             while not all(w.ready for w in self._workers):
-                self._receive(max(0.0, deadline - time.monotonic()), {}, collections.Counter())
+                self._receive(max(0.0, deadline - time.monotonic()), {}, collections.deque(), collections.Counter())
                 if time.monotonic() > deadline and not all(w.ready for w in self._workers):
                     self.close()
                     raise RewardSetupError(f"rewards: workers did not start within {cfg.startup_timeout_s} s")
@@ -135,28 +140,52 @@ class RewardPool:
         self._workers[self._workers.index(worker)] = self._spawn()
 
     # -- scoring ------------------------------------------------------------------------------------
+    def _new_task(self, term_index: int, indices: list[int], streamed: bool, deadline_s: float) -> _Task:
+        self._next_task_id += 1
+        return _Task(self._next_task_id, term_index, indices, streamed, deadline_s)
+
     def _plan(self, n: int) -> list[_Task]:
+        """Split each term's responses into tasks: sync per-response terms in chunks of about a quarter
+        of a worker's share (streamed back one result at a time), async terms in ``async_chunk_size``
+        chunks, batched terms in one chunk per worker."""
+        workers = max(1, self.cfg.num_workers)
         tasks = []
         for k, (is_async, batched) in enumerate(self._term_kinds):
             if batched:
-                size = max(1, -(-n // max(1, self.cfg.num_workers)))
+                size = -(-n // workers)
             elif is_async:
                 size = self.cfg.async_chunk_size
             else:
-                size = 1
-            for start in range(0, n, size):
+                size = min(64, -(-n // (4 * workers)))
+            for start in range(0, n, max(1, size)):
                 indices = list(range(start, min(n, start + size)))
                 if batched:
-                    deadline = self.cfg.timeout_s * len(indices)
+                    tasks.append(self._new_task(k, indices, False, self.cfg.timeout_s * len(indices)))
                 elif is_async:
-                    deadline = self.cfg.timeout_s + _ASYNC_GRACE_S
+                    tasks.append(self._new_task(k, indices, False, self.cfg.timeout_s + _ASYNC_GRACE_S))
                 else:
-                    deadline = self.cfg.timeout_s
-                tasks.append(_Task(self._next_task_id, k, indices, deadline))
-                self._next_task_id += 1
+                    tasks.append(self._new_task(k, indices, True, self.cfg.timeout_s))
         return tasks
 
-    def _receive(self, timeout_s: float, results: dict[int, list[Outcome]], stats: collections.Counter) -> None:
+    def _fail_task(self, worker: _Worker, results: Results, outcome: Outcome, pending: collections.deque) -> None:
+        """The worker is gone or killed mid-task: the response it was on gets ``outcome``; the rest of a
+        streamed task goes back to the queue, the rest of any other task gets ``outcome`` too."""
+        task = worker.task
+        if task is None:
+            return
+        if task.streamed:
+            if worker.received < len(task.indices):  # else it had sent every result, only "done" was missing
+                results[task.term_index, task.indices[worker.received]] = outcome
+            rest = task.indices[worker.received + 1:]
+            if rest:
+                pending.appendleft(self._new_task(task.term_index, rest, True, task.deadline_s))
+        else:
+            for i in task.indices:
+                results[task.term_index, i] = outcome
+        worker.task = None
+
+    def _receive(self, timeout_s: float, results: Results, pending: collections.deque,
+                 stats: collections.Counter) -> None:
         """Wait up to ``timeout_s`` for messages and handle them; dead workers are replaced."""
         by_outbox = {w.outbox: w for w in self._workers}
         for conn in wait(list(by_outbox), timeout=timeout_s):
@@ -165,48 +194,54 @@ class RewardPool:
                 message = conn.recv()
             except (EOFError, OSError):
                 code = worker.proc.poll()
-                if worker.task is not None:
-                    task = worker.task
-                    results[task.task_id] = [Outcome(None, f"reward worker died (exit code {code})")] * len(task.indices)
-                elif not worker.ready:
+                if not worker.ready:
                     self.close()
                     raise RewardSetupError(f"rewards: a worker died while starting (exit code {code})")
+                self._fail_task(worker, results, Outcome(None, f"reward worker died (exit code {code})"), pending)
                 stats["worker_restarts"] += 1
                 self._replace(worker)
                 continue
-            if message[0] == "ready":
+            kind = message[0]
+            if kind == "ready":
                 worker.ready = True
                 self._term_kinds = message[1]
-            elif message[0] == "init_error":
+            elif kind == "init_error":
                 self.close()
                 raise RewardSetupError(f"rewards: a worker could not build the reward terms:\n{message[1]}")
-            else:
-                _, task_id, outcomes = message
-                results[task_id] = outcomes
+            elif kind == "item":
+                _, _, position, outcome = message
+                task = worker.task
+                results[task.term_index, task.indices[position]] = outcome
+                worker.received = position + 1
+                worker.deadline = time.monotonic() + task.deadline_s
+            else:  # "done"
+                _, _, outcomes = message
+                task = worker.task
+                for i, outcome in zip(task.indices, outcomes):
+                    results[task.term_index, i] = outcome
                 worker.task = None
 
-    def _run_in_workers(self, items: list[Item], tasks: list[_Task], stats: collections.Counter) -> dict[int, list[Outcome]]:
+    def _run_in_workers(self, items: list[Item], tasks: list[_Task], stats: collections.Counter) -> Results:
+        expected = sum(len(t.indices) for t in tasks)
         pending = collections.deque(tasks)
-        results: dict[int, list[Outcome]] = {}
-        while len(results) < len(tasks):
+        results: Results = {}
+        while len(results) < expected:
             now = time.monotonic()
             for worker in self._workers:
                 if worker.ready and worker.task is None and pending:
                     task = pending.popleft()
-                    worker.task = task
-                    worker.task_deadline = now + task.deadline_s
+                    worker.task, worker.received, worker.deadline = task, 0, now + task.deadline_s
                     worker.inbox.send(("task", task.task_id, task.term_index, [items[i] for i in task.indices],
                                        self.cfg.timeout_s))
-            busy = [w.task_deadline for w in self._workers if w.task is not None]
-            starting = [w.started_at + self.cfg.startup_timeout_s for w in self._workers if not w.ready]
-            next_deadline = min(busy + starting, default=now + 1.0)
-            self._receive(max(0.0, next_deadline - time.monotonic()), results, stats)
+            deadlines = [w.deadline for w in self._workers if w.task is not None]
+            deadlines += [w.started_at + self.cfg.startup_timeout_s for w in self._workers if not w.ready]
+            next_deadline = min(deadlines, default=now + 1.0)
+            self._receive(max(0.0, next_deadline - time.monotonic()), results, pending, stats)
             now = time.monotonic()
             for worker in list(self._workers):
-                if worker.task is not None and now > worker.task_deadline:
-                    task = worker.task
-                    results[task.task_id] = [Outcome(None, f"timed out after {task.deadline_s:.1f} s",
-                                                     timed_out=True)] * len(task.indices)
+                if worker.task is not None and now > worker.deadline:
+                    timeout = Outcome(None, f"timed out after {worker.task.deadline_s:.1f} s", timed_out=True)
+                    self._fail_task(worker, results, timeout, pending)
                     stats["worker_restarts"] += 1
                     self._replace(worker)
                 elif not worker.ready and now > worker.started_at + self.cfg.startup_timeout_s:
@@ -229,31 +264,31 @@ class RewardPool:
         stats: collections.Counter = collections.Counter()
         tasks = self._plan(len(items))
         if self._local_terms is not None:
-            results = {t.task_id: evaluate(self._local_terms[t.term_index], [items[i] for i in t.indices],
-                                           self.cfg.timeout_s) for t in tasks}
+            results: Results = {}
+            for t in tasks:
+                outcomes = evaluate(self._local_terms[t.term_index], [items[i] for i in t.indices], self.cfg.timeout_s)
+                results.update(((t.term_index, i), o) for i, o in zip(t.indices, outcomes))
         else:
             results = self._run_in_workers(items, tasks, stats)
-        return self._combine(items, tasks, results, stats, time.monotonic() - start)
+        return self._combine(len(items), results, stats, time.monotonic() - start)
 
-    def _combine(self, items: list[Item], tasks: list[_Task], results: dict[int, list[Outcome]],
-                 stats: collections.Counter, elapsed_s: float) -> tuple[list[float], dict[str, float]]:
-        n = len(items)
+    def _combine(self, n: int, results: Results, stats: collections.Counter,
+                 elapsed_s: float) -> tuple[list[float], dict[str, float]]:
         per_term = [[0.0] * n for _ in self.cfg.terms]
         metrics: dict[str, float] = {}
         counts: collections.Counter = collections.Counter()
-        for task in tasks:
-            key = self.cfg.terms[task.term_index].metric_key
-            for i, outcome in zip(task.indices, results[task.task_id]):
-                if outcome.verdict is not None:
-                    per_term[task.term_index][i] = outcome.verdict.reward
-                    for tag in outcome.verdict.tags:
-                        counts[f"rewards/{key}/{tag}"] += 1
-                elif outcome.timed_out:
-                    counts[f"rewards/{key}/timeouts"] += 1
-                    self.recent_errors.append(f"{key}: {outcome.error}")
-                else:
-                    counts[f"rewards/{key}/errors"] += 1
-                    self.recent_errors.append(f"{key}: {outcome.error}")
+        for (k, i), outcome in sorted(results.items()):
+            key = self.cfg.terms[k].metric_key
+            if outcome.verdict is not None:
+                per_term[k][i] = outcome.verdict.reward
+                for tag in outcome.verdict.tags:
+                    counts[f"rewards/{key}/{tag}"] += 1
+            elif outcome.timed_out:
+                counts[f"rewards/{key}/timeouts"] += 1
+                self.recent_errors.append(f"{key}: {outcome.error}")
+            else:
+                counts[f"rewards/{key}/errors"] += 1
+                self.recent_errors.append(f"{key}: {outcome.error}")
         totals = [sum(t.weight * per_term[k][i] for k, t in enumerate(self.cfg.terms)) for i in range(n)]
         for k, term in enumerate(self.cfg.terms):
             key = term.metric_key

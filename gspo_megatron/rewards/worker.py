@@ -7,7 +7,9 @@ the pool over two pipes with ``multiprocessing.connection`` framing:
   pool -> worker: ("init", RewardConfig, sys.path) once; then ("task", task_id, term_index, items,
                   timeout_s) or ("close",)
   worker -> pool: ("ready", [(is_async, batched) per term]) or ("init_error", traceback);
-                  ("result", task_id, [Outcome, ...]) per task
+                  per task of a synchronous per-response term: ("item", task_id, position, Outcome) as
+                  each response is scored (the pool restarts its timeout clock on each), then
+                  ("done", task_id, []); for async or batched terms ("done", task_id, [Outcome, ...])
 """
 from __future__ import annotations
 
@@ -48,4 +50,10 @@ def main(read_fd: int, write_fd: int) -> None:
         if message[0] == "close":
             return
         _, task_id, term_index, items, timeout_s = message
-        outbox.send(("result", task_id, evaluate(terms[term_index], items, timeout_s)))
+        term = terms[term_index]
+        if term.is_async or term.batched:
+            outbox.send(("done", task_id, evaluate(term, items, timeout_s)))
+            continue
+        for position, item in enumerate(items):
+            outbox.send(("item", task_id, position, evaluate(term, [item], timeout_s)[0]))
+        outbox.send(("done", task_id, []))

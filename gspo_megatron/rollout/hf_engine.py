@@ -94,7 +94,8 @@ def load_model(
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     else:
         raise TypeError(
-            f"HFRolloutEngine: expected a PretrainedConfig, PreTrainedModel or local directory, got {type(source).__name__}"
+            "HFRolloutEngine: expected a PretrainedConfig, PreTrainedModel or local directory, "
+            f"got {type(source).__name__}"
         )
     model_type = model.config.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -190,7 +191,7 @@ def weight_slots(model: transformers.PreTrainedModel) -> tuple[dict[str, _Weight
     required: set[str] = set()
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in first_name:  # tied: accept the alias, require only the first name
-            slots[name] = dataclasses.replace(slots[first_name[id(param)]])
+            slots[name] = slots[first_name[id(param)]]
             continue
         first_name[id(param)] = name
         prefix = next((p for p in moe_prefixes if name.startswith(p)), None)
@@ -438,7 +439,9 @@ class HFRolloutEngine(RolloutEngine):
         init_seed: int | None = None,
     ):
         if logprob_mode not in LOGPROB_MODES:
-            raise ValueError(f"HFRolloutEngine: logprob_mode must be one of {list(LOGPROB_MODES)}, got {logprob_mode!r}")
+            raise ValueError(
+                f"HFRolloutEngine: logprob_mode must be one of {list(LOGPROB_MODES)}, got {logprob_mode!r}"
+            )
         if max_batch_rows < 1:
             raise ValueError(f"HFRolloutEngine: max_batch_rows must be >= 1, got {max_batch_rows}")
         self.device = torch.device(device)
@@ -538,7 +541,8 @@ class HFRolloutEngine(RolloutEngine):
         # The last sampled token is never fed back, hence -1.
         cache = _KVCache.empty(arch, len(prompts), width + max_new - 1, self.dtype, device)
 
-        logits = _decoder_forward(self.model, arch, input_ids, positions, cache, _prefill_mask(is_token) if padded else None)
+        prefill_mask = _prefill_mask(is_token) if padded else None
+        logits = _decoder_forward(self.model, arch, input_ids, positions, cache, prefill_mask)
         routes = recorder.take().view(len(prompts), width, -1, arch.moe_top_k)[:, -1] if record else None
 
         rows_total = len(prompts) * group

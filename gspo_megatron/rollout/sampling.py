@@ -82,7 +82,8 @@ def sample_inverse_cdf(logits: torch.Tensor, generator: torch.Generator) -> torc
         cdf = torch.softmax(logits[start : start + chunk_rows].double(), dim=-1).cumsum_(dim=-1)
         total = cdf[:, -1:]
         # u * total < total strictly, so the search always lands on a token with non-zero mass.
-        target = torch.minimum(uniforms[start : start + chunk_rows] * total, torch.nextafter(total, torch.zeros_like(total)))
+        below_total = torch.nextafter(total, torch.zeros_like(total))
+        target = torch.minimum(uniforms[start : start + chunk_rows] * total, below_total)
         tokens.append(torch.searchsorted(cdf, target, right=True).squeeze(-1))
     return torch.cat(tokens).clamp_(max=vocab - 1)
 

@@ -108,7 +108,7 @@ class Trainer:
                 self._copy_weights(self.policy, self.reference)
         self.sync_weights()
         if self.is_main:
-            truncate_after(self.run_dir, self.step)
+            truncate_after(self.run_dir, self.step if latest is not None else -1)
         self.logger = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=config.logging.tensorboard,
                                     wandb_project=config.logging.wandb_project, total_steps=config.train.steps,
                                     console=config.logging.console)
@@ -240,10 +240,11 @@ class Trainer:
         t1 = time.perf_counter()
         drift = self.model_config.is_moe and cfg.train.measure_routing_drift
         if cfg.rollout.logprobs_from == "recompute":
-            old = []
+            old, routing_before = [], None
             for k, share in enumerate(shares):
-                with self._recorder(drift and k == 0) as routing_before:
+                with self._recorder(drift and k == 0) as recorder:
                     old.extend(self.policy.compute_logprobs(share))
+                routing_before = recorder if k == 0 else routing_before
             for q, o in zip(my_seqs, old):
                 q.old_logprobs = o["logprobs"]
         else:

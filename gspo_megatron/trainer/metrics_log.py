@@ -245,7 +245,8 @@ class _ConsoleDisplay:
 
     def _start(self, step: int) -> None:
         from rich.live import Live
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
 
         self._progress = Progress(TextColumn("[bold]GSPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                   TimeRemainingColumn(), console=self.console)

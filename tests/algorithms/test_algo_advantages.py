@@ -81,3 +81,12 @@ def test_bad_inputs_name_the_argument():
         group_advantages(torch.zeros(4))
     with pytest.raises(ValueError, match="estimator"):
         group_advantages(torch.zeros(1, 4), estimator="mean")
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "loo"])
+def test_rounding_residue_of_an_all_equal_group_is_removed(estimator):
+    # float32: 0.3 - mean(0.3 x 7) is ~3e-8, not 0; divided by (std ~1e-8) + eps it would be ~0.03
+    rewards = torch.tensor([[0.3] * 7, [0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]])
+    assert (rewards[0] - rewards[0].mean()).abs().max() > 0  # the residue this test is about exists
+    out = group_advantages(rewards, estimator=estimator)
+    assert torch.count_nonzero(out.advantages[0]) == 0

@@ -71,3 +71,20 @@ def test_clip_higher_defaults_are_asymmetric():
     assert m_pos["clip_high_tokens"].item() == 2  # 1.28, 1.5 > 1.27 (a symmetric 0.2 would also clip 1.26)
     assert m_neg["clip_low_tokens"].item() == 2  # 0.79, 0.5 < 0.8
     assert m_pos["clip_low_tokens"].item() == 0 and m_neg["clip_high_tokens"].item() == 0
+
+
+def test_exponent_guard_matches_clamped_reference():
+    raw = random_raw([4], seed=14)
+    with torch.no_grad():  # log-ratios beyond the +-20 guard on the side the clip does not stop (A < 0 above, A > 0 below)
+        raw.logprobs.copy_(raw.old + torch.tensor([25.0, -25.0, 0.1, 19.0]))
+    raw.token_advantages.copy_(torch.tensor([-1.0, 1.0, -1.0, -1.0]))
+    loss, metrics = grpo_loss(raw.batch(per_token=True, extras=False), raw.normalisers())
+    (grad,) = grad_of(loss, raw.logprobs)
+    ratio = torch.exp((raw.logprobs - raw.old).clamp(-20, 20))
+    adv = raw.token_advantages
+    reference = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.27) * adv).mean()
+    (ref_grad,) = grad_of(reference, raw.logprobs)
+    assert torch.allclose(loss, reference, rtol=1e-6)
+    assert torch.allclose(grad, ref_grad, rtol=1e-5)
+    assert grad[0] == 0 and grad[1] == 0 and grad[3] != 0
+    assert metrics["token_ratio_max"].item() == pytest.approx(torch.exp(torch.tensor(20.0)).item(), rel=1e-5)

@@ -106,6 +106,18 @@ def test_failures_score_zero_and_are_counted(custom_module):
         assert rewards == [1.0] * 4 and metrics["rewards/worker_restarts"] == 0
 
 
+def test_hang_or_crash_inside_a_chunk_spares_the_rest_of_it(custom_module):
+    # one worker and 20 responses: tasks of 5 responses, streamed back one by one
+    cfg = _cfg([{"name": f"{custom_module}:flaky"}], num_workers=1, timeout_s=1.0)
+    responses = ["ok"] * 20
+    responses[6], responses[12] = "sleep", "exit"
+    with RewardPool(cfg) as pool:
+        rewards, metrics = pool.score([({}, r) for r in responses])
+    assert rewards == [0.0 if i in (6, 12) else 1.0 for i in range(20)]
+    assert (metrics["rewards/flaky/timeouts"], metrics["rewards/flaky/errors"]) == (1, 1)
+    assert metrics["rewards/worker_restarts"] == 2
+
+
 def test_async_timeout_is_per_response(custom_module):
     cfg = _cfg([{"name": f"{custom_module}:async_sleepy"}], num_workers=1, timeout_s=0.5)
     with RewardPool(cfg) as pool:

@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from gspo_megatron.rewards.code import CodeRewardConfig, code_reward
-from gspo_megatron.rewards.sandbox import Run, _expose_paths, probe_isolation, run_in_sandbox
+from gspo_megatron.rewards.sandbox import Run, SandboxUnavailable, _expose_paths, probe_isolation, run_in_sandbox
 from tests.rewards.helpers import code_block, fast_sandbox, sandbox_uid_processes
 
 SANDBOX = fast_sandbox()
@@ -162,3 +162,33 @@ def test_environment_secrets_are_not_visible(monkeypatch, isolation):
         visible = set(eval(_run("import os\nprint(sorted(os.listdir('/root')))").stdout))
         exposed = {p.split("/")[2] for p in _expose_paths(SANDBOX) if p.startswith("/root/")}
         assert visible <= exposed, visible
+
+
+# --- the fallback without namespaces (what runs where unshare is refused) -----------------------------
+
+def test_fallback_probe_explains_an_unreadable_interpreter():
+    """As root without a mount namespace the throw-away uid cannot reach an interpreter under /root;
+    the set-up probe must say so instead of letting every response score 0."""
+    cfg = fast_sandbox(isolation="none")
+    try:
+        report = probe_isolation(cfg)
+    except SandboxUnavailable as err:
+        assert "rewards.code.sandbox" in str(err) and "Permission denied" in str(err)
+    else:
+        assert report["namespaces"] is None  # the interpreter is world-readable here: the probe passed
+
+
+def test_fallback_contains_time_output_and_escaped_children():
+    cfg = fast_sandbox(isolation="none", run_as_uid=False)
+    reply = run_in_sandbox(cfg, {"solution.py": "while True:\n    pass\n"}, [Run(["solution.py"])])
+    assert reply.isolation["namespaces"] is None and reply.runs[0].timed_out
+    flood = run_in_sandbox(cfg, {"solution.py": "while True:\n    print('x' * 9999)\n"}, [Run(["solution.py"])])
+    assert flood.runs[0].output_overflow
+    # a daemon that leaves the process group: the launcher is a child subreaper and kills it
+    daemon = ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+              "        print(os.getpid(), flush=True)\n        time.sleep(60)\n    os._exit(0)\n"
+              "time.sleep(0.3)\n")
+    run = run_in_sandbox(cfg, {"solution.py": daemon}, [Run(["solution.py"], return_stdout=True)]).runs[0]
+    pid = int(run.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

@@ -149,7 +149,8 @@ def test_stop_tokens_end_rows_independently_and_logprobs_stay_exact():
     eng = engine("qwen3_moe")
     stop = list(range(0, VOCAB, 12))  # 8 of 96 ids: some rows stop, some run to the limit
     prompts = PROMPTS + [[7, 7, 7, 7]]
-    samples = eng.generate(prompts, 4, SamplingParams(max_new_tokens=12, seed=5, stop_token_ids=stop, return_routed_experts=True))
+    params = SamplingParams(max_new_tokens=12, seed=5, stop_token_ids=stop, return_routed_experts=True)
+    samples = eng.generate(prompts, 4, params)
     reasons = {s.finish_reason for s in samples}
     assert reasons == {"stop", "length"}, reasons
     for s in samples:
@@ -299,7 +300,8 @@ def test_update_weights_errors_name_the_tensor(tmp_path):
         eng.update_weights([("model.layers.0.mlp.experts.9.w1.weight", torch.zeros(16, 32))], final=False)
     name = "model.layers.1.block_sparse_moe.experts.2.w2.weight"
     with pytest.raises(ValueError, match=rf"{name}.*\(16, 32\).*\(32, 16\)"):
-        eng.update_weights([("model.norm.weight", state["model.norm.weight"]), (name, torch.zeros(16, 32))], final=False)
+        bucket = [("model.norm.weight", state["model.norm.weight"]), (name, torch.zeros(16, 32))]
+        eng.update_weights(bucket, final=False)
     # a bad bucket changes nothing, not even its valid tensors
     assert all(torch.equal(p, before[n]) for n, p in eng.model.named_parameters())
     missing = "model.layers.1.block_sparse_moe.experts.3.w3.weight"

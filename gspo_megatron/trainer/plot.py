@@ -1,0 +1,179 @@
+"""`gspo-megatron plot RUN_DIR [RUN_DIR ...] [--out DIR]`: PNG charts from run folders' metrics.jsonl.
+
+One figure per metric group, every run overlaid (legend: the run folder's name), plus ``overview.png`` with all
+groups in a grid. A group whose metrics are absent from every run gets no figure; a metric absent from every run
+is named in its panel's title. Drawn with matplotlib's ``Figure`` (Agg canvas) rather than pyplot, so no global
+backend or figure state is touched. Each PNG is written to a temp name and renamed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from gspo_megatron.trainer.metrics_log import METRICS_FILE, MetricsFileError, read_metrics
+
+PLOTS_DIR = "plots"
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricGroup:
+    """One figure: ``file`` name stem, axis ``title`` and y ``label``, the ``metrics`` drawn in it."""
+
+    file: str
+    title: str
+    ylabel: str
+    metrics: tuple[str, ...]
+
+
+GROUPS: tuple[MetricGroup, ...] = (
+    MetricGroup("reward", "Reward", "mean reward", ("reward_mean",)),
+    MetricGroup("accuracy", "Accuracy", "fraction correct", ("accuracy", "eval_accuracy")),
+    MetricGroup("clip_fraction", "Clip fraction", "fraction clipped", ("clip_frac_seq", "clip_frac_token")),
+    MetricGroup("routing_drift", "Routing drift", "top-k sets changed", ("routing_drift",)),
+    MetricGroup("logprob_gap", "Train/rollout log-prob gap", "mean |gap|", ("logprob_gap_mean",)),
+)
+
+# metrics not logged directly but summed from two that are: (low clipped) + (high clipped)
+DERIVED: dict[str, tuple[str, str]] = {
+    "clip_frac_seq": ("clip_frac_low_seq", "clip_frac_high_seq"),
+    "clip_frac_token": ("clip_frac_low_token", "clip_frac_high_token"),
+}
+
+Series = tuple[list[int], list[float]]
+
+
+@dataclasses.dataclass
+class Run:
+    label: str
+    records: list[dict[str, Any]]
+
+
+def load_run(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise MetricsFileError(f"{run_dir}: no {METRICS_FILE} here -- is this a training run folder?")
+    return read_metrics(path)
+
+
+def metric_value(record: dict[str, Any], metric: str) -> float | None:
+    """``record[metric]``, or the sum of its ``DERIVED`` parts when both are logged; None when absent."""
+    if metric in DERIVED:
+        low, high = DERIVED[metric]
+        if low in record and high in record:
+            return float(record[low]) + float(record[high])
+    value = record.get(metric)
+    return None if value is None else float(value)
+
+
+def series(records: list[dict[str, Any]], metric: str) -> Series:
+    """(steps, values) of the records holding ``metric`` (eval metrics only appear every few steps).
+
+    A step logged twice (a resume without truncation) keeps its last value so the line does not fold back."""
+    by_step: dict[int, float] = {}
+    for record in records:
+        value = metric_value(record, metric)
+        if value is not None:
+            by_step[record["step"]] = value
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def run_labels(run_dirs: list[Path]) -> list[str]:
+    """The folder names, or the full paths when two runs share a name (runs/a/run vs runs/b/run)."""
+    names = [Path(d).resolve().name for d in run_dirs]
+    if len(set(names)) == len(names):
+        return names
+    return [str(d) for d in run_dirs]
+
+
+def _draw_panel(ax, group: MetricGroup, runs: list[Run]) -> bool:
+    """Draws ``group`` into ``ax``; False when no run has any of its metrics (the panel then says so)."""
+    present = [m for m in group.metrics if any(series(r.records, m)[0] for r in runs)]
+    absent = [m for m in group.metrics if m not in present]
+    title = group.title if not absent else f"{group.title} (absent: {', '.join(absent)})"
+    ax.set_title(title, fontsize=9)
+    if not present:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return False
+    styles = ["-", "--", ":", "-."]
+    for run_index, run in enumerate(runs):
+        color = f"C{run_index % 10}"
+        for metric_index, metric in enumerate(present):
+            steps, values = series(run.records, metric)
+            if not steps:
+                continue
+            label = run.label if len(present) == 1 else f"{run.label}: {metric}"
+            ax.plot(steps, values, linestyle=styles[metric_index % len(styles)], color=color, label=label,
+                    marker="." if len(steps) <= 50 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel(group.ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    return True
+
+
+def _save(fig, path: Path) -> Path:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fig.savefig(tmp, format="png", dpi=100)
+    os.replace(tmp, path)
+    return path
+
+
+def plot_runs(run_dirs: list[Path], out_dir: Path | None = None) -> list[Path]:
+    """Writes ``<group>.png`` for each group with data and ``overview.png``; returns their paths (overview last).
+
+    ``out_dir`` defaults to ``run_dirs[0]/plots``. Raises ``MetricsFileError`` for a run folder without a
+    readable metrics.jsonl, and ``ValueError`` when no run holds any plotted metric.
+    """
+    from matplotlib.figure import Figure
+
+    if not run_dirs:
+        raise ValueError("plot_runs: no run folders given")
+    run_dirs = [Path(d) for d in run_dirs]
+    runs = [Run(label, load_run(d)) for label, d in zip(run_labels(run_dirs), run_dirs)]
+    out_dir = Path(out_dir) if out_dir is not None else run_dirs[0] / PLOTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    with_data = [g for g in GROUPS if any(series(r.records, m)[0] for r in runs for m in g.metrics)]
+    if not with_data:
+        wanted = sorted({m for g in GROUPS for m in g.metrics})
+        raise ValueError(f"no run in {[str(d) for d in run_dirs]} logged any of {wanted}")
+
+    written = []
+    for group in with_data:
+        fig = Figure(figsize=(7, 4.5), layout="constrained")
+        _draw_panel(fig.add_subplot(1, 1, 1), group, runs)
+        written.append(_save(fig, out_dir / f"{group.file}.png"))
+
+    cols = 2
+    rows = math.ceil(len(with_data) / cols)
+    fig = Figure(figsize=(6 * cols, 3.8 * rows), layout="constrained")
+    for index, group in enumerate(with_data):
+        _draw_panel(fig.add_subplot(rows, cols, index + 1), group, runs)
+    fig.suptitle(" vs ".join(r.label for r in runs), fontsize=10)
+    written.append(_save(fig, out_dir / "overview.png"))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gspo-megatron plot", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="training run folder(s)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: the first RUN_DIR/plots)")
+    args = parser.parse_args(argv)
+    try:
+        paths = plot_runs(args.run_dirs, args.out)
+    except MetricsFileError as err:
+        # an input problem, not a bug: a usage message rather than a traceback
+        parser.exit(2, f"gspo-megatron plot: error: {err}\n")
+    for path in paths:
+        print(path)
+    return 0
+
+
+__all__ = ["DERIVED", "GROUPS", "MetricGroup", "load_run", "main", "metric_value", "plot_runs", "series"]

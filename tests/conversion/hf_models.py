@@ -1,0 +1,69 @@
+"""Small random Hugging Face checkpoints of every supported family, built locally with transformers."""
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import torch
+
+from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.testing.models import tiny_moe_config
+
+# name -> ModelConfig overrides of tiny_moe_config (2 layers, hidden 64, 4 heads in 2 KV groups, vocab 96)
+FAMILIES = {
+    "qwen3_moe": dict(architecture="qwen3_moe"),
+    "qwen3_moe_tied": dict(architecture="qwen3_moe", tie_word_embeddings=True),
+    "qwen3": dict(architecture="qwen3", num_experts=0, ffn_hidden_size=96),
+    "qwen2_tied": dict(architecture="qwen2", num_experts=0, ffn_hidden_size=96, qkv_bias=True, qk_layernorm=False,
+                       tie_word_embeddings=True),
+    "llama": dict(architecture="llama", num_experts=0, ffn_hidden_size=96, qk_layernorm=False),
+    "llama_tied": dict(architecture="llama", num_experts=0, ffn_hidden_size=96, qk_layernorm=False,
+                       tie_word_embeddings=True),
+    "mixtral": dict(architecture="mixtral", qk_layernorm=False, moe_ffn_hidden_size=48),
+}
+
+TOKENIZER_FILES = {"tokenizer.json": '{"version": "1.0", "model": {"type": "test"}}\n',
+                   "tokenizer_config.json": '{"model_max_length": 256}\n'}
+
+
+def family_config(name: str) -> ModelConfig:
+    return tiny_moe_config(**FAMILIES[name])
+
+
+def make_hf_dir(name: str, directory: Path, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None,
+                seed: int = 0) -> Path:
+    """save_pretrained of a random ``name`` model: matrices ~ N(0, 0.1^2), norms 1 + 0.1 N(0, 1), so that
+    logits and routing vary visibly; plus stand-in tokenizer files (copied verbatim by the converters)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(family_config(name).to_hf_config())
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(pname.encode()))
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1.0 + 0.1 * noise if "norm" in pname else 0.1 * noise)
+    model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    for file, text in TOKENIZER_FILES.items():
+        (directory / file).write_text(text)
+    return directory
+
+
+def weight_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("*.safetensors"))
+
+
+def read_all(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in weight_files(directory):
+        out.update(load_file(directory / file))
+    return out
+
+
+def index_of(directory: Path) -> dict | None:
+    path = directory / "model.safetensors.index.json"
+    return json.loads(path.read_text()) if path.is_file() else None

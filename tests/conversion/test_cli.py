@@ -1,0 +1,42 @@
+"""`gspo-megatron convert ...`: exit codes and what is printed (in this process; `check` at TP=PP=EP=1)."""
+import pytest
+
+from gspo_megatron import cli as top_cli
+from gspo_megatron.conversion import cli
+from tests.conversion.hf_models import make_hf_dir, read_all
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    hf = make_hf_dir("qwen3_moe", root / "hf")
+    other = make_hf_dir("qwen3_moe", root / "other", seed=1)  # same shapes, other weights
+    return root, hf, other
+
+
+def test_convert_both_ways_and_check(folders, capsys):
+    root, hf, other = folders
+    assert top_cli.main(["convert", "hf-to-megatron", "--hf-dir", str(hf), "--out", str(root / "meg"),
+                         "--tp", "2", "--ep", "2", "--no-progress"]) == 0
+    assert f"wrote {root / 'meg'}" in capsys.readouterr().out
+    assert cli.main(["check", "--hf-dir", str(hf), "--megatron-dir", str(root / "meg")]) == 0
+    line = capsys.readouterr().out
+    assert "max |logits_megatron - logits_hf| = " in line and line.strip().endswith(": ok")
+    assert float(line.split("= ")[1].split()[0]) < 1e-4
+    # the same shapes with other weights: the check must fail
+    assert cli.main(["check", "--hf-dir", str(other), "--megatron-dir", str(root / "meg")]) == 1
+    assert capsys.readouterr().out.strip().endswith(": MISMATCH")
+    assert cli.main(["megatron-to-hf", "--megatron-dir", str(root / "meg"), "--out", str(root / "back"),
+                     "--max-shard-bytes", "64KB", "--no-progress"]) == 0
+    back, original = read_all(root / "back"), read_all(hf)
+    assert back.keys() == original.keys() and all((back[k] == original[k]).all() for k in original)
+    assert (root / "back" / "model.safetensors.index.json").is_file()
+
+
+def test_bad_input_exits_2_with_the_reason(folders, capsys):
+    root, hf, _ = folders
+    assert cli.main(["hf-to-megatron", "--hf-dir", str(hf), "--out", str(root / "x"), "--tp", "3"]) == 2
+    assert "--tp 3 does not divide the model: num_attention_heads=4" in capsys.readouterr().err
+    assert cli.main(["megatron-to-hf", "--megatron-dir", str(root / "missing"), "--out", str(root / "y")]) == 2
+    assert "no model_config.json" in capsys.readouterr().err
+    assert not (root / "x").exists() and not (root / "y").exists()

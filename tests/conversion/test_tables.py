@@ -1,0 +1,173 @@
+"""The tables, transforms and safetensors I/O on their own (no Megatron, no processes)."""
+import dataclasses
+import json
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from gspo_megatron.conversion.cli import parse_bytes
+from gspo_megatron.conversion.errors import ConversionError
+from gspo_megatron.conversion.safetensors_io import HFCheckpoint, SafetensorsWriter, TensorSpec, plan_shards
+from gspo_megatron.conversion.tables import (FAMILY_TABLES, TE_SPEC_NAMES, canonical_to_te, expand,
+                                             te_to_canonical, validate_layout)
+from gspo_megatron.conversion.transforms import FusedGateUp, FusedQKV, Identity
+from gspo_megatron.testing.models import canonical_shapes, tiny_moe_config
+from tests.conversion.hf_models import FAMILIES, family_config
+
+
+def test_qkv_interleave_puts_each_groups_query_heads_before_its_key_and_value():
+    heads, groups, d, hidden = 6, 2, 3, 5
+    q = torch.randn(heads * d, hidden)
+    k = torch.randn(groups * d, hidden)
+    v = torch.randn(groups * d, hidden)
+    fused = FusedQKV(heads, groups, d).to_megatron([q, k, v])
+    # written out head by head: group g = [q heads 3g, 3g+1, 3g+2; k_g; v_g]
+    rows = []
+    for g in range(groups):
+        for h in range(g * heads // groups, (g + 1) * heads // groups):
+            rows.append(q[h * d:(h + 1) * d])
+        rows += [k[g * d:(g + 1) * d], v[g * d:(g + 1) * d]]
+    assert torch.equal(fused, torch.cat(rows))
+    back = FusedQKV(heads, groups, d).to_hf(fused)
+    assert all(torch.equal(a, b) for a, b in zip(back, [q, k, v]))
+    assert FusedQKV(heads, groups, d).hf_shapes(tuple(fused.shape)) == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+
+
+def test_qkv_bias_and_gate_up_round_trip():
+    qkv = FusedQKV(4, 2, 8)
+    bias = [torch.randn(32), torch.randn(16), torch.randn(16)]
+    assert all(torch.equal(a, b) for a, b in zip(qkv.to_hf(qkv.to_megatron(bias)), bias))
+    gate, up = torch.randn(7, 3), torch.randn(7, 3)
+    fc1 = FusedGateUp().to_megatron([gate, up])
+    assert torch.equal(fc1[:7], gate) and torch.equal(fc1[7:], up)
+    assert all(torch.equal(a, b) for a, b in zip(FusedGateUp().to_hf(fc1), [gate, up]))
+    assert Identity().to_hf(gate)[0] is gate
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_expand_covers_every_megatron_parameter_once(name):
+    config = family_config(name)
+    entries = expand(config)
+    megatron = [e.megatron for e in entries]
+    hf = [h for e in entries for h in e.hf]
+    assert len(set(megatron)) == len(megatron) and len(set(hf)) == len(hf)
+    assert set(megatron) == set(canonical_shapes(config))
+    assert ("lm_head.weight" in hf) == (not config.tie_word_embeddings)
+
+
+def test_every_family_of_the_model_config_has_a_table():
+    from gspo_megatron.megatron.model_config import HF_ARCHITECTURE_CLASS
+
+    assert set(FAMILY_TABLES) == set(HF_ARCHITECTURE_CLASS)
+
+
+def test_mixtral_uses_w1_as_gate_and_w3_as_up():
+    entry = next(e for e in expand(family_config("mixtral")) if e.megatron.endswith("local_experts.3.linear_fc1.weight"))
+    assert entry.hf == ("model.layers.0.block_sparse_moe.experts.3.w1.weight",
+                        "model.layers.0.block_sparse_moe.experts.3.w3.weight")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tensor_parallel=3), "--tp 3 does not divide the model: num_attention_heads=4"),
+    (dict(tensor_parallel=4), "--tp 4 does not divide the model: num_key_value_heads=2"),
+    (dict(pipeline_parallel=3), "--pp 3 does not divide the model: num_layers=2"),
+    (dict(expert_parallel=3), "--ep 3 does not divide the model: num_experts=4"),
+])
+def test_layouts_that_do_not_divide_the_model_are_rejected(kwargs, message):
+    with pytest.raises(ConversionError, match=message.replace("+", r"\+")):
+        validate_layout(tiny_moe_config(), **kwargs)
+
+
+def test_vocabulary_and_dense_ffn_must_divide_by_tp():
+    with pytest.raises(ConversionError, match="vocab_size=97"):
+        validate_layout(tiny_moe_config(vocab_size=97), tensor_parallel=2)
+    with pytest.raises(ConversionError, match="ffn_hidden_size=97"):
+        validate_layout(dataclasses.replace(family_config("llama"), ffn_hidden_size=97), tensor_parallel=2)
+    with pytest.raises(ConversionError, match="the model is dense"):
+        validate_layout(family_config("llama"), expert_parallel=2)
+    validate_layout(tiny_moe_config(), tensor_parallel=2, pipeline_parallel=2, expert_parallel=4)
+
+
+def test_te_spec_names_translate_both_ways_with_expert_renumbering():
+    # EP rank 1 of 2 with 4 experts holds global experts 2 and 3 as local 0 and 1
+    assert te_to_canonical("decoder.layers.5.mlp.experts.linear_fc1.weight1", ep_rank=1, num_local_experts=2) == \
+        "decoder.layers.5.mlp.experts.local_experts.3.linear_fc1.weight"
+    assert te_to_canonical("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", 0, 2) == \
+        "decoder.layers.0.input_layernorm.weight"
+    assert te_to_canonical("decoder.layers.0.self_attention.linear_qkv.weight", 0, 2) == \
+        "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert canonical_to_te("decoder.layers.5.mlp.experts.local_experts.3.linear_fc2.weight", 2, dense=False) == \
+        (1, "decoder.layers.5.mlp.experts.linear_fc2.weight1")
+    # MoE layers keep a separate pre-MLP norm under TE; dense layers fuse it into linear_fc1
+    assert canonical_to_te("decoder.layers.2.pre_mlp_layernorm.weight", 2, dense=False) == \
+        (None, "decoder.layers.2.pre_mlp_layernorm.weight")
+    assert canonical_to_te("decoder.layers.2.pre_mlp_layernorm.weight", 2, dense=True) == \
+        (None, "decoder.layers.2.mlp.linear_fc1.layer_norm_weight")
+    for te, canonical in TE_SPEC_NAMES:  # every row round-trips
+        name = canonical.format(layer=7, expert=5)
+        rank, te_name = canonical_to_te(name, 4, dense=True)
+        assert te_to_canonical(te_name, rank or 0, 4) == name
+
+
+def test_safetensors_writer_matches_the_library_byte_for_byte(tmp_path):
+    tensors = {"b.weight": torch.randn(3, 4), "a.weight": torch.randn(5).to(torch.bfloat16),
+               "c.ids": torch.arange(6, dtype=torch.int64).reshape(2, 3), "a.bias": torch.randn(2)}
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    writer = SafetensorsWriter(tmp_path / "ours.safetensors",
+                               [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()])
+    for name in ["c.ids", "a.weight", "b.weight", "a.bias"]:  # any order
+        writer.write(name, tensors[name])
+    writer.close()
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    with safe_open(tmp_path / "ours.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor("b.weight"), tensors["b.weight"])
+
+
+def test_safetensors_writer_refuses_wrong_and_missing_tensors(tmp_path):
+    writer = SafetensorsWriter(tmp_path / "x.safetensors", [TensorSpec("a", (2,), torch.float32),
+                                                            TensorSpec("b", (2,), torch.float32)])
+    with pytest.raises(ConversionError, match=r"a: got \[3\]"):
+        writer.write("a", torch.zeros(3))
+    writer.write("a", torch.zeros(2))
+    with pytest.raises(ConversionError, match="a: written twice"):
+        writer.write("a", torch.zeros(2))
+    with pytest.raises(ConversionError, match="never written: b"):
+        writer.close()
+
+
+def test_reader_reads_lazily_and_checks_the_index(tmp_path):
+    save_file({"x": torch.arange(4.0)}, tmp_path / "model-1.safetensors")
+    save_file({"y": torch.ones(2, 2, dtype=torch.bfloat16)}, tmp_path / "model-2.safetensors")
+    index = {"metadata": {}, "weight_map": {"x": "model-1.safetensors", "y": "model-2.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with HFCheckpoint(tmp_path) as ckpt:
+        assert torch.equal(ckpt.read("x"), torch.arange(4.0))
+        assert ckpt.read("y").dtype == torch.bfloat16
+    index["weight_map"]["z"] = "model-2.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConversionError, match="listed in the index but in no file: z"):
+        HFCheckpoint(tmp_path)
+    (tmp_path / "model-1.safetensors").write_bytes(struct.pack("<Q", 10**6) + b"{}")
+    with pytest.raises(ConversionError, match="model-1.safetensors: header length"):
+        HFCheckpoint(tmp_path)
+
+
+def test_shard_plan_caps_sizes_and_reuses_a_matching_template():
+    specs = [TensorSpec(f"t{i}", (10,), torch.float32) for i in range(5)]  # 40 bytes each
+    plan = plan_shards(specs, max_shard_bytes=100)
+    assert [len(v) for v in plan.files.values()] == [2, 2, 1]
+    assert list(plan.files) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert plan.index["metadata"] == {"total_parameters": 50, "total_size": 200}
+    assert plan_shards(specs, 10**6).index is None  # one file: model.safetensors, no index
+    template = {"weight_map": {f"t{i}": ("a.safetensors" if i % 2 else "b.safetensors") for i in range(5)}}
+    plan = plan_shards(specs, 100, template)
+    assert {s.name for s in plan.files["a.safetensors"]} == {"t1", "t3"}
+
+
+def test_parse_bytes():
+    assert parse_bytes("5GB") == 5 * 10**9
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1000") == 1000

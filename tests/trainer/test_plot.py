@@ -1,0 +1,90 @@
+"""`gspo-megatron plot`: PNGs for overlaid runs, derived clip fractions, errors for folders without metrics."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gspo_megatron.trainer import plot
+from gspo_megatron.trainer.metrics_log import MetricsFileError
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _make_run(path, scale: float, with_drift: bool) -> None:
+    path.mkdir(parents=True)
+    lines = [{"step": 0, "eval_accuracy": 0.1 * scale}]
+    for step in range(1, 8):
+        record = {"step": step, "reward_mean": scale * step / 8, "accuracy": step / 10,
+                  "clip_frac_low_seq": 0.01 * step, "clip_frac_high_seq": 0.02 * step,
+                  "clip_frac_low_token": 0.001, "clip_frac_high_token": 0.002, "logprob_gap_mean": 0.003}
+        if with_drift:
+            record["routing_drift"] = 0.05 * step
+        if step % 4 == 0:
+            record["eval_accuracy"] = 0.2 * scale
+        lines.append(record)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def _assert_png(path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, path
+    assert len(data) > 5000, (path, len(data))
+
+
+def test_plot_two_runs_overlaid(tmp_path):
+    a, b = tmp_path / "run_a", tmp_path / "run_b"
+    _make_run(a, 1.0, with_drift=True)
+    _make_run(b, 2.0, with_drift=False)
+    written = plot.plot_runs([a, b])
+    names = [p.name for p in written]
+    assert names == ["reward.png", "accuracy.png", "clip_fraction.png", "routing_drift.png", "logprob_gap.png",
+                     "overview.png"]
+    assert all(p.parent == a / "plots" for p in written)
+    for path in written:
+        _assert_png(path)
+    assert not list((a / "plots").glob(".*tmp"))
+
+
+def test_series_derives_clip_fraction_and_keeps_sparse_eval(tmp_path):
+    records = [{"step": 1, "clip_frac_low_seq": 0.25, "clip_frac_high_seq": 0.5}, {"step": 2, "eval_accuracy": 0.5},
+               {"step": 3, "clip_frac_low_seq": 0.125, "clip_frac_high_seq": 0.0}]
+    assert plot.series(records, "clip_frac_seq") == ([1, 3], [0.75, 0.125])
+    assert plot.series(records, "eval_accuracy") == ([2], [0.5])
+
+
+def test_missing_metrics_file_errors(tmp_path):
+    a = tmp_path / "a"
+    _make_run(a, 1.0, with_drift=True)
+    empty = tmp_path / "not_a_run"
+    empty.mkdir()
+    with pytest.raises(MetricsFileError, match=r"not_a_run: no metrics.jsonl"):
+        plot.plot_runs([a, empty])
+
+
+def test_main_prints_paths_and_skips_group_absent_everywhere(tmp_path, capsys):
+    a = tmp_path / "a"
+    _make_run(a, 1.0, with_drift=False)
+    assert plot.main([str(a), "--out", str(tmp_path / "o")]) == 0
+    printed = capsys.readouterr().out.split()
+    assert [p.rsplit("/", 1)[-1] for p in printed] == ["reward.png", "accuracy.png", "clip_fraction.png",
+                                                       "logprob_gap.png", "overview.png"]
+    assert all(p.startswith(str(tmp_path / "o")) for p in printed)
+    _assert_png(tmp_path / "o" / "overview.png")
+
+
+def test_main_reports_missing_file(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        plot.main([str(tmp_path / "missing")])
+    assert exc.value.code == 2
+    assert "missing: no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_cli_plot_subcommand_passes_arguments(tmp_path, monkeypatch, capsys):
+    from gspo_megatron.cli import main as cli_main
+
+    calls = []
+    monkeypatch.setattr(plot, "plot_runs", lambda dirs, out: calls.append((dirs, out)) or [out / "overview.png"])
+    assert cli_main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "o")]) == 0
+    assert calls == [([tmp_path / "a", tmp_path / "b"], tmp_path / "o")]
+    assert str(tmp_path / "o" / "overview.png") in capsys.readouterr().out
