@@ -30,7 +30,7 @@ from gspo_megatron.megatron.model_config import ModelConfig
 
 MODEL_CONFIG_NAME = "model_config.json"
 HF_FILES_DIR = "hf"  # inside a converted Megatron checkpoint: the HF config/tokenizer files it came with
-READ_BATCH_BYTES = 256 * 2**20
+READ_BATCH_BYTES = 64 * 2**20  # canonical tensors read per DCP pass (bounds memory)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 DTYPE_FLAGS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

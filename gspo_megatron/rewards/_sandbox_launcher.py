@@ -162,6 +162,10 @@ def _enter_namespaces(report: dict) -> str | None:
     if _libc.unshare(ctypes.c_int(flags | CLONE_NEWUSER)) != 0:
         report["notes"].append(f"unshare with a user namespace: {os.strerror(ctypes.get_errno())}")
         return None
+    if uid == 0:
+        # namespace root maps to host uid 0, which the kernel exempts from RLIMIT_NPROC
+        report["notes"].append("host root without CAP_SYS_ADMIN: RLIMIT_NPROC is not enforced, fork bombs "
+                               "are bounded by the time limits only")
     for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
@@ -315,11 +319,11 @@ def _kill_adopted_orphans() -> None:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
-                pass
+                pass  # it exited since the scan
             try:
                 os.waitpid(pid, 0)
             except ChildProcessError:
-                pass
+                pass  # reaped by the loop in _kill_leftovers
 
 
 def _pidfd_open(pid: int) -> int | None:
@@ -405,7 +409,7 @@ def _run_program(run: dict, req: dict, ns: str | None) -> dict:
         try:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
-            pass
+            pass  # the group emptied itself between the deadline and the kill; waitpid still reaps it
         status = os.waitpid(pid, 0)[1]
     if pidfd is not None:
         os.close(pidfd)

@@ -150,22 +150,17 @@ def _force_rmtree(path: str) -> None:
         shutil.rmtree(path, onerror=make_writable_and_retry)
 
 
-def run_in_sandbox(cfg: SandboxConfig, files: dict[str, str], runs: list[Run],
-                   stop_on_failure: bool = False) -> SandboxReply:
-    """Write ``files`` into a fresh working directory and execute ``runs`` in order, each in the sandbox.
-
-    Returns one ``RunResult`` per run executed (fewer when ``stop_on_failure`` stops at the first run
-    whose output does not match). Never raises for anything the program does.
-    """
+def launcher_request(cfg: SandboxConfig, workdir: str, files: dict[str, str], runs: list[Run],
+                     stop_on_failure: bool) -> dict[str, Any]:
+    """The JSON request ``_sandbox_launcher.py`` reads on stdin."""
     python = _python(cfg)
-    workdir = tempfile.mkdtemp(prefix="gspo-sandbox-")
-    request = {
+    return {
         "parent_pid": os.getpid(),
         "workdir": workdir,
         "files": files,
-        "runs": [{"argv": [python, "-I", *([] if cfg.site_packages else ["-S"]), *r.args], "stdin": r.stdin, "expected_stdout": r.expected_stdout,
-                  "return_stdout": r.return_stdout, "timeout_s": r.cases * cfg.case_timeout_s,
-                  "cpu_time_s": r.cases * cfg.cpu_time_s} for r in runs],
+        "runs": [{"argv": [python, "-I", *([] if cfg.site_packages else ["-S"]), *r.args],
+                  "stdin": r.stdin, "expected_stdout": r.expected_stdout, "return_stdout": r.return_stdout,
+                  "timeout_s": r.cases * cfg.case_timeout_s, "cpu_time_s": r.cases * cfg.cpu_time_s} for r in runs],
         "stop_on_failure": stop_on_failure,
         "limits": {k: getattr(cfg, k) for k in ("memory_mb", "max_output_bytes", "max_file_mb",
                                                  "max_processes", "max_open_files", "workdir_size_mb")},
@@ -174,6 +169,17 @@ def run_in_sandbox(cfg: SandboxConfig, files: dict[str, str], runs: list[Run],
         "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
                 "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"},
     }
+
+
+def run_in_sandbox(cfg: SandboxConfig, files: dict[str, str], runs: list[Run],
+                   stop_on_failure: bool = False) -> SandboxReply:
+    """Write ``files`` into a fresh working directory and execute ``runs`` in order, each in the sandbox.
+
+    Returns one ``RunResult`` per run executed (fewer when ``stop_on_failure`` stops at the first run
+    whose output does not match). Never raises for anything the program does.
+    """
+    workdir = tempfile.mkdtemp(prefix="gspo-sandbox-")
+    request = launcher_request(cfg, workdir, files, runs, stop_on_failure)
     deadline_s = _SETUP_SLACK_S + sum(r["timeout_s"] + _PER_RUN_SLACK_S for r in request["runs"])
     # The launcher runs on our own interpreter with -S (no site-packages) and a minimal environment: it
     # needs only the standard library, and it must not inherit the worker's secrets.

@@ -6,7 +6,7 @@ import pytest
 from gspo_megatron.conversion import dcp_io, offline
 from gspo_megatron.testing.distributed import run_distributed
 from tests.conversion.hf_models import family_config, make_hf_dir, read_all
-from tests.conversion.workers import EXPORT_BUCKET_BYTES
+from tests.conversion.workers import EXPORT_BUCKET_BYTES, conversion_checks
 
 pytestmark = pytest.mark.slow
 
@@ -24,14 +24,8 @@ def runs(tmp_path_factory):
     resaved = root / "qwen3_moe-tp2-saved"
     cases = [(name, str(hf), str(meg), CASES[name]) for name, (hf, meg) in folders.items()]
     resave = (str(folders["qwen3_moe"][0]), str(folders["qwen3_moe"][1]), "tp2", str(resaved), ["ep2", "pp2"])
-    results = run_distributed(conversion_checks_entry(), 2, (cases, resave))
+    results = run_distributed(conversion_checks, 2, (cases, resave))
     return folders, resaved, results
-
-
-def conversion_checks_entry():
-    from tests.conversion.workers import conversion_checks
-
-    return conversion_checks
 
 
 def _logit_diffs(results, key, layout):

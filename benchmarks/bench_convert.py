@@ -1,0 +1,188 @@
+"""Checkpoint conversion speed and memory against `cp` of the same bytes, side by side in one run.
+
+    .venv/bin/python benchmarks/bench_convert.py [--size-gb 1.2] [--workdir /tmp] [--keep]
+
+Generates a synthetic Qwen3-MoE-shaped Hugging Face checkpoint (random bf16 safetensors written
+directly, 4 shards + index; hidden 1024, 16 heads in 4 KV groups, 64 experts of width 384, layers added
+until ``--size-gb`` is reached), then, each in its own process:
+
+1. ``cp -r`` of the HF folder, then ``sync`` of the copied files (the converters fsync what they write,
+   so "cp + sync" is the like-for-like baseline; plain ``cp`` is reported too);
+2. ``convert hf-to-megatron``;
+3. ``convert megatron-to-hf`` (with the source as template), whose files must equal the source's bytes.
+
+Conversion times are measured inside the converting process around the conversion itself; interpreter
+start-up and imports (the same for any checkpoint size) are reported separately. Peak memory is the
+converting process's ``ru_maxrss``, next to the same process's RSS after imports (the baseline).
+Writes benchmarks/results/convert.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import math
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULT = Path(__file__).resolve().parent / "results" / "convert.json"
+SHAPE = dict(architecture="qwen3_moe", vocab_size=32000, hidden_size=1024, num_attention_heads=16,
+             num_key_value_heads=4, head_dim=64, num_experts=64, moe_ffn_hidden_size=384, moe_router_topk=8,
+             tie_word_embeddings=False)
+
+
+def model_config(size_gb: float):
+    """The benchmark model: as many layers as it takes to reach ``size_gb`` in bf16."""
+    from gspo_megatron.megatron.model_config import ModelConfig
+
+    one = ModelConfig(num_layers=1, **SHAPE).num_parameters() * 2
+    per_layer = ModelConfig(num_layers=2, **SHAPE).num_parameters() * 2 - one
+    layers = max(1, math.ceil((size_gb * 1e9 - (one - per_layer)) / per_layer))
+    return ModelConfig(num_layers=layers, **SHAPE)
+
+
+def generate(directory: Path, config, shards: int = 4) -> int:
+    """Random bf16 safetensors for ``config`` (HF names, 4 shards + index), one tensor in memory at a time."""
+    import torch
+    from rich.progress import track
+
+    from gspo_megatron.conversion.safetensors_io import SafetensorsWriter, TensorSpec, plan_shards, write_index
+    from gspo_megatron.conversion.tables import expand
+
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({**config.to_hf_dict(), "dtype": "bfloat16"}, indent=2))
+    (directory / "generation_config.json").write_text(json.dumps({"_from_model_config": True}))
+    specs = []
+    for entry in expand(config):
+        shape = _canonical_shape(entry.megatron, config)
+        specs += [TensorSpec(n, tuple(s), torch.bfloat16) for n, s in zip(entry.hf, entry.transform.hf_shapes(shape))]
+    total = sum(s.nbytes for s in specs)
+    plan = plan_shards(specs, -(-total // shards))
+    gen = torch.Generator().manual_seed(0)
+    for file, group in plan.files.items():
+        writer = SafetensorsWriter(directory / file, group)
+        for spec in track(group, description=f"generate {file}"):
+            writer.write(spec.name, (torch.randn(spec.shape, generator=gen) * 0.02).to(torch.bfloat16))
+        writer.close()
+    write_index(directory, plan.index)
+    return total
+
+
+def _canonical_shape(name: str, config) -> tuple[int, ...]:
+    from gspo_megatron.testing.models import canonical_shapes
+
+    return canonical_shapes(config)[name]
+
+
+def child(argv: list[str]) -> None:
+    """Run one conversion in this process; print timings and memory as JSON on the last line."""
+    start = time.perf_counter()
+    from gspo_megatron.conversion import cli, dcp_io
+    from gspo_megatron.testing.models import tiny_moe_config
+
+    with dcp_io.single_process_megatron():  # import and warm up Megatron outside the timed part
+        dcp_io.checkpoint_layout(tiny_moe_config())
+    baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    startup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    code = cli.main(argv)
+    seconds = time.perf_counter() - start
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"code": code, "seconds": seconds, "startup_s": startup_s,
+                      "baseline_rss_bytes": baseline_kb * 1024, "peak_rss_bytes": peak_kb * 1024}))
+
+
+def run_child(args: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", *args], stdout=subprocess.PIPE, text=True)
+    if proc.returncode:
+        raise SystemExit(f"conversion failed: {args}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if result["code"] != 0:
+        raise SystemExit(f"conversion exited {result['code']}: {args}")
+    return result
+
+
+def timed(cmd: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gb", type=float, default=1.2)
+    parser.add_argument("--workdir", default="/tmp")
+    parser.add_argument("--keep", action="store_true", help="keep the generated and converted folders")
+    args = parser.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    config = model_config(args.size_gb)
+    work = Path(tempfile.mkdtemp(prefix="gspo-bench-convert-", dir=args.workdir))
+    free = shutil.disk_usage(work).free
+    if free < 5 * args.size_gb * 1e9:
+        raise SystemExit(f"{work}: {free / 1e9:.1f} GB free, the benchmark needs about {5 * args.size_gb:.1f} GB")
+    try:
+        hf, meg, back, copy = work / "hf", work / "meg", work / "back", work / "cp"
+        nbytes = generate(hf, config)
+        cp_s = timed(["cp", "-r", str(hf), str(copy)])
+        sync_s = timed(["sync", *map(str, sorted(copy.iterdir()))])
+        to_meg = run_child(["hf-to-megatron", "--hf-dir", str(hf), "--out", str(meg)])
+        to_hf = run_child(["megatron-to-hf", "--megatron-dir", str(meg), "--out", str(back), "--hf-template", str(hf)])
+        files = sorted(p.name for p in hf.iterdir())
+        identical = all(filecmp.cmp(hf / f, back / f, shallow=False) for f in files)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work)
+
+    rows = []
+    for name, result in (("hf -> megatron", to_meg), ("megatron -> hf", to_hf)):
+        rows.append({
+            "direction": name, "seconds": result["seconds"], "startup_s": result["startup_s"],
+            "gb_per_s": nbytes / result["seconds"] / 1e9,
+            "ratio_vs_cp_sync": (cp_s + sync_s) / result["seconds"], "ratio_vs_cp": cp_s / result["seconds"],
+            "peak_rss_bytes": result["peak_rss_bytes"], "baseline_rss_bytes": result["baseline_rss_bytes"],
+            "peak_over_baseline_bytes": result["peak_rss_bytes"] - result["baseline_rss_bytes"],
+            "peak_rss_over_checkpoint": result["peak_rss_bytes"] / nbytes,
+        })
+    record = {
+        "command": "python benchmarks/bench_convert.py " + " ".join(sys.argv[1:]),
+        "cpu_count": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
+        "checkpoint_bytes": nbytes, "num_layers": config.num_layers, "shape": SHAPE,
+        "cp_s": cp_s, "sync_s": sync_s, "cp_gb_per_s": nbytes / cp_s / 1e9,
+        "cp_sync_gb_per_s": nbytes / (cp_s + sync_s) / 1e9, "round_trip_files_identical": identical,
+        "note": "the source is in the page cache for every step; this 2-core machine is shared with other jobs",
+        "results": rows,
+    }
+    RESULT.parent.mkdir(parents=True, exist_ok=True)
+    RESULT.write_text(json.dumps(record, indent=2) + "\n")
+
+    table = Table(title=f"conversion of a {nbytes / 1e9:.2f} GB Qwen3-MoE-shaped bf16 checkpoint "
+                        f"({config.num_layers} layers x {config.num_experts} experts)")
+    for column in ("step", "seconds", "GB/s", "vs cp+sync", "vs cp", "peak RSS", "RSS after imports"):
+        table.add_column(column, justify="right")
+    table.add_row("cp -r", f"{cp_s:.2f}", f"{nbytes / cp_s / 1e9:.2f}", "", "", "", "")
+    table.add_row("cp -r + sync", f"{cp_s + sync_s:.2f}", f"{nbytes / (cp_s + sync_s) / 1e9:.2f}", "1.00", "", "", "")
+    for row in rows:
+        table.add_row(row["direction"], f"{row['seconds']:.2f}", f"{row['gb_per_s']:.2f}",
+                      f"{row['ratio_vs_cp_sync']:.2f}", f"{row['ratio_vs_cp']:.2f}",
+                      f"{row['peak_rss_bytes'] / 2**20:.0f} MiB", f"{row['baseline_rss_bytes'] / 2**20:.0f} MiB")
+    Console().print(table)
+    print(f"round trip byte-identical: {identical}; results in {RESULT}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2:])
+    else:
+        main()
