@@ -86,6 +86,18 @@ def copy_hf_side_files(source: Path, dest: Path) -> list[str]:
     return copied
 
 
+@contextlib.contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """Conversion is copies and I/O: one torch thread. OpenMP workers only contend for the cores; on a
+    busy 2-core machine a bf16 ``torch.cat`` of 1.5 MB took 10 ms with 2 threads and 0.15 ms with 1."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
@@ -154,7 +166,13 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tensor_parallel: int
     config.json), ``gspo_meta.json`` (read by ``megatron/checkpoint.read_meta``) and ``hf/`` (config,
     generation config and tokenizer files, the default template for the way back).
     """
-    hf_dir, out = Path(hf_dir), Path(out_dir)
+    with one_intra_op_thread():
+        return _hf_to_megatron(Path(hf_dir), Path(out_dir), tensor_parallel, pipeline_parallel, expert_parallel,
+                               overwrite, progress)
+
+
+def _hf_to_megatron(hf_dir: Path, out: Path, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int,
+                    overwrite: bool, progress: bool) -> Path:
     config = ModelConfig.from_hf_dir(hf_dir)
     validate_layout(config, tensor_parallel, pipeline_parallel, expert_parallel, source=str(hf_dir / "config.json"))
     check_output(out, overwrite, (hf_dir,))
@@ -246,8 +264,13 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, hf_template: s
     tensors (so a round trip reproduces the index), else shards are capped at 5 GB; with it, shards are
     capped at ``max_shard_bytes``. The vocabulary is unpadded; ``dtype`` (default: as stored) casts.
     """
-    megatron_dir, out = Path(megatron_dir), Path(out_dir)
-    template = Path(hf_template) if hf_template is not None else None
+    with one_intra_op_thread():
+        return _megatron_to_hf(Path(megatron_dir), Path(out_dir), Path(hf_template) if hf_template else None,
+                               max_shard_bytes, dtype, overwrite, progress, read_batch_bytes)
+
+
+def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_shard_bytes: int | None,
+                    dtype: torch.dtype | None, overwrite: bool, progress: bool, read_batch_bytes: int) -> Path:
     config, template = export_config(megatron_dir, template)
     check_output(out, overwrite, (megatron_dir,) + ((template,) if template else ()))
     entries = expand(config)

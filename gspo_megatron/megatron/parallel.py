@@ -87,6 +87,10 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
         expert_model_parallel_size=parallel.expert_parallel,
         create_gloo_process_groups=not torch.cuda.is_available(),
     )
+    # Megatron seeds the default stream through torch.cuda.manual_seed, a silent no-op on a CPU build;
+    # the CPU generator drives initialisation there, so seed it too (same seed on every rank, as Megatron's
+    # data-parallel stream is).
+    torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 

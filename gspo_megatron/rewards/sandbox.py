@@ -181,18 +181,19 @@ def run_in_sandbox(cfg: SandboxConfig, files: dict[str, str], runs: list[Run],
     workdir = tempfile.mkdtemp(prefix="gspo-sandbox-")
     request = launcher_request(cfg, workdir, files, runs, stop_on_failure)
     deadline_s = _SETUP_SLACK_S + sum(r["timeout_s"] + _PER_RUN_SLACK_S for r in request["runs"])
-    # The launcher runs on our own interpreter with -S (no site-packages) and a minimal environment: it
-    # needs only the standard library, and it must not inherit the worker's secrets.
-    proc = subprocess.Popen([sys.executable, "-I", "-S", LAUNCHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True, cwd="/",
-                            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+    failure = None
     try:
-        out, err = proc.communicate(json.dumps(request).encode(), timeout=deadline_s)
-        failure = None
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's death signal takes down init and the program
-        out, err = proc.communicate()
-        failure = f"sandbox did not finish within {deadline_s:.1f} s"
+        # The launcher runs on our own interpreter with -S (no site-packages) and a minimal environment:
+        # it needs only the standard library, and it must not inherit the worker's secrets.
+        proc = subprocess.Popen([sys.executable, "-I", "-S", LAUNCHER], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, cwd="/",
+                                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+        try:
+            out, err = proc.communicate(json.dumps(request).encode(), timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher's death signal takes down init and the program
+            out, err = proc.communicate()
+            failure = f"sandbox did not finish within {deadline_s:.1f} s"
     finally:
         _force_rmtree(workdir)
     if failure is None and (proc.returncode != 0 or not out):

@@ -87,6 +87,8 @@ def test_in_process_mode_gives_the_same_rewards(custom_module):
     batch = [({"x": i}, "abc" * i) for i in range(4)]
     with RewardPool(_cfg(terms, num_workers=0)) as local, RewardPool(_cfg(terms, num_workers=1)) as pooled:
         assert local.score(batch)[0] == pooled.score(batch)[0]
+        rewards, metrics = pooled.score([])
+        assert rewards == [] and metrics["rewards/mean"] == 0.0
 
 
 def test_failures_score_zero_and_are_counted(custom_module):

@@ -6,15 +6,19 @@ layer that the machine cannot provide are skipped with the reason (as root on Li
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
+import subprocess
 import time
 import uuid
 
 import pytest
 
 from gspo_megatron.rewards.code import CodeRewardConfig, code_reward
-from gspo_megatron.rewards.sandbox import Run, SandboxUnavailable, _expose_paths, probe_isolation, run_in_sandbox
+from gspo_megatron.rewards.sandbox import (LAUNCHER, Run, SandboxUnavailable, _expose_paths, launcher_request,
+                                           probe_isolation, run_in_sandbox)
 from tests.rewards.helpers import code_block, fast_sandbox, sandbox_uid_processes
 
 SANDBOX = fast_sandbox()
@@ -181,7 +185,8 @@ def test_fallback_probe_explains_an_unreadable_interpreter():
 def test_fallback_contains_time_output_and_escaped_children():
     cfg = fast_sandbox(isolation="none", run_as_uid=False)
     reply = run_in_sandbox(cfg, {"solution.py": "while True:\n    pass\n"}, [Run(["solution.py"])])
-    assert reply.isolation["namespaces"] is None and reply.runs[0].timed_out
+    assert reply.isolation["namespaces"] is None
+    assert reply.runs[0].timed_out or reply.runs[0].signal is not None  # wall clock or RLIMIT_CPU
     flood = run_in_sandbox(cfg, {"solution.py": "while True:\n    print('x' * 9999)\n"}, [Run(["solution.py"])])
     assert flood.runs[0].output_overflow
     # a daemon that leaves the process group: the launcher is a child subreaper and kills it
@@ -192,3 +197,35 @@ def test_fallback_contains_time_output_and_escaped_children():
     pid = int(run.stdout.split()[0])
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_user_namespace_mode_as_an_unprivileged_user(tmp_path):
+    """The path a non-root trainer takes: the launcher as uid 65534 (system Python, since this venv's
+    interpreter lives under /root) gets a user namespace; the program has no capabilities and cannot
+    undo the mounts, write outside its directory or reach the network."""
+    system_python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.access(system_python, os.X_OK):
+        pytest.skip("needs root, setpriv and /usr/bin/python3 to impersonate an unprivileged user")
+    cfg = fast_sandbox(python=system_python, run_as_uid=False)
+    program = ("import ctypes, os, socket\n"
+               "caps = open('/proc/self/status').read().split('CapEff:')[1].split()[0]\n"
+               "libc = ctypes.CDLL(None, use_errno=True)\n"
+               "umount = libc.umount2(b'/tmp', 2)\n"
+               "try:\n    open('/etc/gspo-escape', 'w')\n    wrote = True\nexcept OSError:\n    wrote = False\n"
+               "try:\n    socket.create_connection(('127.0.0.1', 22), timeout=1)\n    net = True\n"
+               "except OSError:\n    net = False\n"
+               "print(caps, umount, wrote, net)\n")
+    workdir = tmp_path / "work"
+    workdir.mkdir(mode=0o777)
+    os.chmod(tmp_path, 0o755)
+    request = launcher_request(cfg, str(workdir), {"solution.py": program}, [Run(["solution.py"], return_stdout=True)],
+                               stop_on_failure=False)
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", system_python, "-I", "-S",
+                           LAUNCHER], input=json.dumps(request).encode(), capture_output=True, timeout=30)
+    reply = json.loads(proc.stdout)
+    if reply["isolation"]["namespaces"] is None:
+        pytest.skip("unprivileged user namespaces are disabled here: " + "; ".join(reply["isolation"]["notes"]))
+    assert reply["setup_error"] is None, reply
+    assert reply["isolation"]["namespaces"] == "user" and reply["isolation"]["readonly_fs"]
+    caps, umount, wrote, net = reply["runs"][0]["stdout"].split()
+    assert int(caps, 16) == 0 and umount == "-1" and wrote == "False" and net == "False"
