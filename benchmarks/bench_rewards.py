@@ -98,6 +98,7 @@ def main() -> None:
         "math": ({"terms": [{"name": "math"}]}, math_workload(args.math)),
         "code": ({"terms": [{"name": "code"}], "code": {"sandbox": sandbox}}, code_workload(args.code)),
     }
+    load_before = os.getloadavg()[0]
     jobs = [(name, workers) for name in workloads for workers in (args.workers, 0)]
     measured: dict[tuple[str, int], tuple[float, float, list[float]]] = {}
     for name, workers in track(jobs, description="scoring"):
@@ -117,8 +118,9 @@ def main() -> None:
             "mean_reward": sum(pool_rewards) / len(pool_rewards), "same_rewards": pool_rewards == single_rewards,
         })
     record = {
-        "command": "python benchmarks/bench_rewards.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python benchmarks/bench_rewards.py", *sys.argv[1:]]),
         "cpu_count": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
+        "load_average_before_after": [load_before, os.getloadavg()[0]],
         "note": "the pool's speedup is bounded by the CPU cores the workers get; this machine is shared",
         "results": results,
     }

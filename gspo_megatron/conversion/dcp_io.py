@@ -200,6 +200,21 @@ def _check_coverage(metadata) -> None:
                                   f"({len(offsets)} chunks, {len(offsets) - len(set(offsets))} repeated)")
 
 
+@contextlib.contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    """DCP stores each chunk as a torch.save zip; computing the zip records' CRC32 took 2/3 of
+    torch.save's time (1.4 ms vs 0.5 ms per 1.5 MB here). torch.load does not check it, DCP has no
+    checksums of its own, and Megatron's own saves are read the same way."""
+    from torch.utils.serialization import config
+
+    saved = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = saved
+
+
 def write_checkpoint(directory: Path, planned: list[PlannedChunk], objects: dict[str, bytes],
                      on_write: Callable[[int], None]) -> None:
     """Write a torch_dist checkpoint into the (new, empty) ``directory``, chunks in the order given."""
@@ -207,7 +222,7 @@ def write_checkpoint(directory: Path, planned: list[PlannedChunk], objects: dict
 
     writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1,
                                   overwrite=False)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _without_zip_crc32():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         try:
             dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(planned, objects, on_write), no_dist=True)
