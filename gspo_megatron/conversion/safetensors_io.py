@@ -92,21 +92,22 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
     return out
 
 
-def _read_exact(f, offset: int, out: torch.Tensor) -> None:
+def _read_exact(fd: int, path: Path, offset: int, out: torch.Tensor) -> None:
+    """Positioned reads (no shared file position), so several threads may read one file."""
     view = memoryview(out.numpy()).cast("B")
-    f.seek(offset)
     done = 0
     while done < len(view):  # a single read returns at most ~2 GiB on Linux
-        n = f.readinto(view[done:])
+        n = os.preadv(fd, [view[done:]], offset + done)
         if not n:
-            raise ConversionError(f"{f.name}: file ends before byte {offset + len(view)}")
+            raise ConversionError(f"{path}: file ends before byte {offset + len(view)}")
         done += n
 
 
 class HFCheckpoint:
     """The tensors of a Hugging Face model folder (index + shards, or one model.safetensors), read lazily.
 
-    Use as a context manager; ``read(name)`` returns a fresh tensor (no memory map behind it).
+    Use as a context manager; ``read(name)`` returns a fresh tensor (no memory map behind it) and may be
+    called from several threads.
     """
 
     def __init__(self, directory: str | Path):
@@ -144,7 +145,7 @@ class HFCheckpoint:
             if set(self.tensors) - listed:
                 raise ConversionError(f"{index_path}: tensors in the files but not in the index: "
                                       f"{name_list(set(self.tensors) - listed)}")
-        self._files: dict[Path, object] = {}
+        self._fds: dict[Path, int] = {path: os.open(path, os.O_RDONLY) for path in {t.path for t in self.tensors.values()}}
 
     def __enter__(self) -> "HFCheckpoint":
         return self
@@ -153,17 +154,14 @@ class HFCheckpoint:
         self.close()
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def read(self, name: str) -> torch.Tensor:
         stored = self.tensors[name]
-        f = self._files.get(stored.path)
-        if f is None:
-            f = self._files[stored.path] = open(stored.path, "rb", buffering=0)
         raw = torch.empty(stored.spec.nbytes, dtype=torch.uint8)
-        _read_exact(f, stored.offset, raw)
+        _read_exact(self._fds[stored.path], stored.path, stored.offset, raw)
         return raw.view(stored.spec.dtype).reshape(stored.spec.shape)
 
     def location(self, name: str) -> tuple[str, int]:

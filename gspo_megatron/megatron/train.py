@@ -429,12 +429,13 @@ class PolicyModel:
         return metrics
 
     # ---- state -----------------------------------------------------------------------------------
-    def sharded_state_dict(self) -> dict:
+    def sharded_state_dict(self, is_loading: bool = False) -> dict:
         """Model, optimizer and scheduler state for dist_checkpointing (loadable at another layout for the
-        model; the optimizer state reshards across DP)."""
+        model; the optimizer state reshards across DP). ``is_loading`` makes the optimizer allocate its
+        (lazily created) Adam state first, so the load has somewhere to put it."""
         model_state = self.module.sharded_state_dict(prefix="model.")
         return {"model": model_state,
-                "optimizer": self.optimizer.sharded_state_dict(model_state),
+                "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
                 "scheduler": self.scheduler.state_dict()}
 
     def load_sharded_state_dict(self, state: dict) -> None:

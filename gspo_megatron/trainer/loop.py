@@ -349,8 +349,8 @@ class Trainer:
                       and not p.name.endswith((".incomplete", ".old")))
         return done[-1] if done else None
 
-    def _sharded_state(self) -> dict:
-        state = self.policy.sharded_state_dict()
+    def _sharded_state(self, is_loading: bool = False) -> dict:
+        state = self.policy.sharded_state_dict(is_loading)
         if self.reference is not None:
             state["reference"] = self.reference.module.sharded_state_dict(prefix="reference.")
         return state
@@ -367,7 +367,7 @@ class Trainer:
         return path
 
     def load_checkpoint(self, path: Path) -> None:
-        state = ckpt.load(self._sharded_state(), path)
+        state = ckpt.load(self._sharded_state(is_loading=True), path)
         self.policy.load_sharded_state_dict(state)
         if self.reference is not None:
             self.reference.module.load_state_dict(

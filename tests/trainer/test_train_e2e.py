@@ -40,28 +40,15 @@ def test_short_run_then_resume_matches_uninterrupted(tmp_path):
     ckpts = sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir())
     assert ckpts == ["step_000002", "step_000004"]  # keep_last: 2
 
-    # stop after step 2 (a checkpoint), then resume to step 4
+    # stop after step 2 (a checkpoint), resume to step 4: exactly the uninterrupted run's metrics
+    # (weights, Adam state, LR schedule, data position; randomness is a function of seed, step, rank)
     train(tmp_path / "split", "train.steps=2", *common)
     resumed = train(tmp_path / "split", "train.steps=4", *common, resume=True)
     assert [m["step"] for m in resumed] == steps
-    # metrics up to the checkpoint are the uninterrupted run's (same seeds, same data order)
-    for a, b in zip(resumed[1:3], full[1:3]):
-        for key in ("reward_mean", "pg_loss", "grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(reason="known gap: the first step after --resume draws different rollouts than the "
-                          "uninterrupted run (under investigation; see docs/training.md)", strict=False)
-def test_resume_is_exact(tmp_path):
-    common = ["sft.steps=30", "eval.every_steps=2", "eval.num_prompts=16", "checkpoint.every_steps=2"]
-    full = train(tmp_path / "full", "train.steps=4", *common)
-    train(tmp_path / "split", "train.steps=2", *common)
-    resumed = train(tmp_path / "split", "train.steps=4", *common, resume=True)
-    for a, b in zip(resumed[3:], full[3:]):
-        for key in ("reward_mean", "pg_loss", "grad_norm", "eval_accuracy"):
-            if key in a:
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    for a, b in zip(resumed, full):
+        for key in ("reward_mean", "pg_loss", "grad_norm", "seq_ratio_mean", "eval_accuracy", "routing_drift"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
 
 
 def test_config_errors_name_the_field(tmp_path):
