@@ -22,6 +22,7 @@ import io
 import math
 import sys
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -142,21 +143,71 @@ class PlannedChunk:
     produce: Callable[[], torch.Tensor]  # returns the canonical tensor (shape chunk.shape, this dtype)
     name: str  # canonical name, for error messages
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.chunk.shape) * self.dtype.itemsize
+
+
+class _Prefetcher:
+    """Produces the planned chunks in order on one background thread, up to ``budget_bytes`` ahead of
+    the writer, so reading and fusing overlap DCP's writing (file I/O and tensor copies release the GIL).
+    A chunk asked for out of order is produced on the spot."""
+
+    def __init__(self, planned: list[PlannedChunk], budget_bytes: int):
+        self._planned = planned
+        self._budget = budget_bytes
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gspo-convert-read")
+        self._futures: dict[int, Future] = {}
+        self._next = 0  # next position to submit
+        self._consumed: set[int] = set()
+        self._ahead = 0  # bytes submitted and not consumed
+
+    def _fill(self) -> None:
+        while self._next < len(self._planned):
+            if self._next in self._consumed:
+                self._next += 1
+                continue
+            nbytes = self._planned[self._next].nbytes
+            if self._ahead and self._ahead + nbytes > self._budget:
+                return
+            self._futures[self._next] = self._pool.submit(self._planned[self._next].produce)
+            self._ahead += nbytes
+            self._next += 1
+
+    def get(self, position: int) -> torch.Tensor:
+        self._consumed.add(position)
+        future = self._futures.pop(position, None)
+        if future is None:
+            return self._planned[position].produce()
+        tensor = future.result()
+        self._ahead -= self._planned[position].nbytes
+        self._fill()
+        return tensor
+
+    def start(self) -> None:
+        self._fill()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
 
 class _LazySavePlanner(SavePlanner):
     """A DCP SavePlanner over chunks that do not exist until the writer asks for them."""
 
-    def __init__(self, planned: list[PlannedChunk], objects: dict[str, bytes], on_write: Callable[[int], None]):
+    def __init__(self, planned: list[PlannedChunk], objects: dict[str, bytes], prefetcher: _Prefetcher,
+                 on_write: Callable[[int], None]):
         self._items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects]
         self._sources: dict = {MetadataIndex(key): objects[key] for key in objects}
-        for p in planned:
+        for position, p in enumerate(planned):
             index = MetadataIndex(p.chunk.key, torch.Size(p.chunk.offsets))
             self._items.append(WriteItem(
                 index=index, type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(offsets=torch.Size(p.chunk.offsets), sizes=torch.Size(p.chunk.sizes)),
                     properties=TensorProperties(dtype=p.dtype), size=torch.Size(p.chunk.global_shape))))
-            self._sources[index] = p
+            self._sources[index] = position
+        self._planned = planned
+        self._prefetcher = prefetcher
         self._on_write = on_write
 
     # the SavePlanner protocol (torch.distributed.checkpoint.planner.SavePlanner)
@@ -172,18 +223,20 @@ class _LazySavePlanner(SavePlanner):
         return plans, metadata
 
     def finish_plan(self, new_plan):
+        self._prefetcher.start()
         return new_plan
 
     def resolve_data(self, write_item):
         source = self._sources[write_item.index]
         if isinstance(source, bytes):
             return io.BytesIO(source)
-        tensor = source.produce()
-        if tuple(tensor.shape) != source.chunk.shape or tensor.dtype != source.dtype:
-            raise ConversionError(f"{source.name}: produced {list(tensor.shape)} {tensor.dtype}, the model "
-                                  f"needs {list(source.chunk.shape)} {source.dtype}")
+        planned = self._planned[source]
+        tensor = self._prefetcher.get(source)
+        if tuple(tensor.shape) != planned.chunk.shape or tensor.dtype != planned.dtype:
+            raise ConversionError(f"{planned.name}: produced {list(tensor.shape)} {tensor.dtype}, the model "
+                                  f"needs {list(planned.chunk.shape)} {planned.dtype}")
         self._on_write(tensor.numel() * tensor.element_size())
-        return tensor.reshape(source.chunk.sizes).contiguous()
+        return tensor.reshape(planned.chunk.sizes).contiguous()
 
 
 def _check_coverage(metadata) -> None:
@@ -216,21 +269,26 @@ def _without_zip_crc32() -> Iterator[None]:
 
 
 def write_checkpoint(directory: Path, planned: list[PlannedChunk], objects: dict[str, bytes],
-                     on_write: Callable[[int], None]) -> None:
-    """Write a torch_dist checkpoint into the (new, empty) ``directory``, chunks in the order given."""
+                     on_write: Callable[[int], None], prefetch_bytes: int = 64 * 2**20) -> None:
+    """Write a torch_dist checkpoint into the (new, empty) ``directory``, chunks in the order given,
+    producing them at most ``prefetch_bytes`` ahead of the writer."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
     writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1,
                                   overwrite=False)
+    prefetcher = _Prefetcher(planned, prefetch_bytes)
+    planner = _LazySavePlanner(planned, objects, prefetcher, on_write)
     with warnings.catch_warnings(), _without_zip_crc32():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         try:
-            dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(planned, objects, on_write), no_dist=True)
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException as err:
             # DCP wraps whatever a planner raised (a BaseException carrying (exception, trace) per rank);
             # re-raise ours, e.g. a ConversionError naming the tensor, with its own traceback
             (exception, _), = err.failures.values()
             raise exception from None
+        finally:
+            prefetcher.close()
     torch.save({}, directory / "common.pt")  # the model's sharded_state_dict has no common (unsharded) part
     save_config(CheckpointingConfig("torch_dist", 1), str(directory))
 

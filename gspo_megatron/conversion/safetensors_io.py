@@ -145,7 +145,8 @@ class HFCheckpoint:
             if set(self.tensors) - listed:
                 raise ConversionError(f"{index_path}: tensors in the files but not in the index: "
                                       f"{name_list(set(self.tensors) - listed)}")
-        self._fds: dict[Path, int] = {path: os.open(path, os.O_RDONLY) for path in {t.path for t in self.tensors.values()}}
+        paths = {t.path for t in self.tensors.values()}
+        self._fds: dict[Path, int] = {path: os.open(path, os.O_RDONLY) for path in paths}
 
     def __enter__(self) -> "HFCheckpoint":
         return self

@@ -40,21 +40,6 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 7919 + rank * 104_729) % (2**31 - 1)
 
 
-def hf_named_tensors(policy: PolicyModel, model_config: ModelConfig):
-    """The policy's weights under Hugging Face names (every rank receives all of them).
-
-    Gathers TP / EP / PP shards into canonical tensors, then splits fused tensors with the conversion
-    tables. Holds the whole model once per rank: fine for the CPU demo; the bounded-bucket exporter in
-    ``conversion`` serves large models.
-    """
-    from gspo_megatron.conversion.tables import expand
-
-    canonical = sharding.full_state_dict(policy.module, model_config.vocab_size)
-    for entry in expand(model_config):
-        for name, tensor in zip(entry.hf, entry.transform.to_hf(canonical[entry.megatron])):
-            yield name, tensor
-
-
 class Trainer:
     """Builds everything from a ``TrainConfig`` and runs the loop (see the module docstring)."""
 
@@ -270,8 +255,9 @@ class Trainer:
 
         t3 = time.perf_counter()
         # 7. weight sync to the rollout engine
-        self.sync_weights()
+        sync = self.sync_weights()
         timings["time_sync_s"] = time.perf_counter() - t3
+        metrics["sync_bytes_per_s"] = sync["sync_bytes_per_s"]
 
         # 8. metrics
         metrics.update(_mean_dicts(update_metrics))
@@ -321,9 +307,10 @@ class Trainer:
         return out
 
     # ---- weights, evaluation, checkpoints --------------------------------------------------------
-    def sync_weights(self) -> None:
-        names = hf_named_tensors(self.policy, self.model_config)
-        self.engine.update_weights(list(names), final=True)
+    def sync_weights(self) -> dict[str, float]:
+        from gspo_megatron.rollout.weight_sync import sync_weights
+
+        return sync_weights(self.policy.ddp, self.model_config, self.engine)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy pass@1 (temperature ~0) and sampled pass@k on the held-out prompts."""

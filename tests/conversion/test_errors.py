@@ -116,7 +116,7 @@ def test_failure_mid_write_leaves_nothing(source, tmp_path, monkeypatch):
     monkeypatch.setattr(FusedGateUp, "to_megatron", failing)
     with pytest.raises(RuntimeError, match="disk on fire"):
         offline.hf_to_megatron(source[0], tmp_path / "meg", progress=False)
-    assert len(calls) == 3 and not (tmp_path / "meg").exists() and _leftovers(tmp_path) == []
+    assert len(calls) >= 3 and not (tmp_path / "meg").exists() and _leftovers(tmp_path) == []
 
     monkeypatch.setattr(FusedQKV, "to_hf", lambda self, canonical: (_ for _ in ()).throw(RuntimeError("late")))
     with pytest.raises(RuntimeError, match="late"):
