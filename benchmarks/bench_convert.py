@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/bench_convert.py [--size-gb 1.2] [--workdir /tmp] [--keep]
 
 Generates a synthetic Qwen3-MoE-shaped Hugging Face checkpoint (random bf16 safetensors written
-directly, 4 shards + index; hidden 1024, 16 heads in 4 KV groups, 64 experts of width 384, layers added
-until ``--size-gb`` is reached), then, each in its own process:
+directly, 4 shards + index; Qwen3-30B-A3B's layer shapes with a 32k vocabulary, layers added until
+``--size-gb`` is reached: one layer is 1.5 GB), then, each in its own process:
 
 1. ``cp -r`` of the HF folder, then ``sync`` of the copied files (the converters fsync what they write,
    so "cp + sync" is the like-for-like baseline; plain ``cp`` is reported too);
@@ -36,8 +36,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 RESULT = Path(__file__).resolve().parent / "results" / "convert.json"
-SHAPE = dict(architecture="qwen3_moe", vocab_size=32000, hidden_size=1024, num_attention_heads=16,
-             num_key_value_heads=4, head_dim=64, num_experts=64, moe_ffn_hidden_size=384, moe_router_topk=8,
+# The layers of Qwen3-30B-A3B (hidden 2048, 32 heads in 4 KV groups of dim 128, 128 experts of width 768,
+# top-8), so tensors have the real sizes; a 32k vocabulary keeps the embeddings from dominating a small file.
+SHAPE = dict(architecture="qwen3_moe", vocab_size=32000, hidden_size=2048, num_attention_heads=32,
+             num_key_value_heads=4, head_dim=128, num_experts=128, moe_ffn_hidden_size=768, moe_router_topk=8,
              tie_word_embeddings=False)
 
 
@@ -120,7 +122,7 @@ def timed(cmd: list[str]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-gb", type=float, default=1.2)
+    parser.add_argument("--size-gb", type=float, default=1.5)
     parser.add_argument("--workdir", default="/tmp")
     parser.add_argument("--repeat", type=int, default=3, help="times each step runs (the best is reported)")
     parser.add_argument("--keep", action="store_true", help="keep the generated folder")

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -294,13 +295,15 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
             writers = {file: stack.enter_context(_closing(SafetensorsWriter(tmp / file, group)))
                        for file, group in plan.files.items()}
             bar = stack.enter_context(progress_bar(sum(s.nbytes for s in specs), "megatron -> hf", progress))
-            for batch in _batches(order, read_batch_bytes):
-                tensors = reader.read(batch, items)
+            for batch, tensors in _read_ahead(reader, list(_batches(order, read_batch_bytes)), items):
                 for request in batch:
                     entry = by_name[request.name]
                     for name, tensor in zip(entry.hf, entry.transform.to_hf(tensors.pop(request.name))):
                         tensor = tensor.to(dtype) if dtype is not None else tensor
-                        writers[file_of[name]].write(name, tensor)
+                        writer = writers[file_of[name]]
+                        writer.write(name, tensor)
+                        if writer.complete:
+                            writer.close()  # fsync now, while the next batch is being read
                         bar.update(tensor.numel() * tensor.element_size())
         if plan.index is not None:
             write_index(tmp, plan.index)
@@ -315,9 +318,23 @@ def _closing(writer: SafetensorsWriter) -> Iterator[SafetensorsWriter]:
     try:
         yield writer
     except BaseException:
-        writer.abort()
+        if not writer.closed:
+            writer.abort()
         raise
-    writer.close()
+    if not writer.closed:
+        writer.close()
+
+
+def _read_ahead(reader: dcp_io.CheckpointReader, batches: list[list[dcp_io.Request]],
+                items: dict[str, list]) -> Iterator[tuple[list[dcp_io.Request], dict[str, torch.Tensor]]]:
+    """Yield (batch, its tensors), reading the next batch on a background thread while the caller writes
+    this one (DCP's reads and our writes release the GIL); at most two batches are in memory."""
+    with ThreadPoolExecutor(1, thread_name_prefix="gspo-convert-read") as pool:
+        future = pool.submit(reader.read, batches[0], items) if batches else None
+        for i, batch in enumerate(batches):
+            tensors = future.result()
+            future = pool.submit(reader.read, batches[i + 1], items) if i + 1 < len(batches) else None
+            yield batch, tensors
 
 
 def _batches(requests: list[dcp_io.Request], batch_bytes: int) -> Iterator[list[dcp_io.Request]]:

@@ -208,15 +208,25 @@ class SafetensorsWriter:
             done += os.pwrite(self._fd, data[done:], self._data_start + position + done)
         self._written.add(name)
 
+    @property
+    def complete(self) -> bool:
+        return len(self._written) == len(self._slots)
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
     def close(self) -> None:
         missing = set(self._slots) - self._written
         if missing:
             raise ConversionError(f"{self.path.name}: tensors never written: {name_list(missing)}")
         os.fsync(self._fd)
-        os.close(self._fd)
+        self.abort()
 
     def abort(self) -> None:
+        """Release the file without checking or syncing it (the caller is discarding it)."""
         os.close(self._fd)
+        self._fd = -1
 
 
 @dataclasses.dataclass

@@ -315,9 +315,15 @@ class PolicyModel:
         return results
 
     # ---- the update ------------------------------------------------------------------------------
-    def forward_backward(self, seqs: Sequence[TrainSequence], normalisers: LossNormalisers | None = None) -> dict:
+    def forward_backward(self, seqs: Sequence[TrainSequence], normalisers: LossNormalisers | None = None,
+                         routed_experts: list[torch.Tensor] | None = None) -> dict:
         """Accumulate the gradient of the mini-batch loss for this rank's share ``seqs``; returns the raw
-        metrics reduced over micro-batches and DP ranks."""
+        metrics reduced over micro-batches and DP ranks.
+
+        routed_experts: Routing Replay (R2): per micro-batch, the [b, s, num_moe_layers, top_k] experts
+        recorded by a ``RoutingRecorder`` around ``compute_logprobs(seqs)`` (same sequences, hence the
+        same micro-batch packing); the update forwards then use exactly those experts.
+        """
         from megatron.core import parallel_state as ps
 
         dp_group = ps.get_data_parallel_group()
@@ -327,9 +333,12 @@ class PolicyModel:
         microbatches = self._microbatches(seqs)
         num_mb = len(microbatches)
         need_entropy = self.loss_config.entropy_coef > 0
+        replay = self._routing_replay(routed_experts, microbatches)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if replay is not None:
+                replay.set_microbatch(mb["routed_experts"], model)
             output = model(mb["input_ids"], mb["position_ids"], causal_mask(mb["input_ids"].shape[1]))
 
             def loss_func(logits):
@@ -349,9 +358,32 @@ class PolicyModel:
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(microbatches, forward_step, forward_only=False)
+        if replay is None:
+            outputs = self._run(microbatches, forward_step, forward_only=False)
+        else:
+            with replay:
+                outputs = self._run(microbatches, forward_step, forward_only=False)
         raw = merge_metrics(outputs) if outputs else {}
         return self._reduce_to_all(raw)
+
+    def _routing_replay(self, routed_experts, microbatches):
+        """A RoutingReplay bound to this model, with each micro-batch's recorded experts attached."""
+        if routed_experts is None:
+            return None
+        from megatron.core import parallel_state as ps
+
+        from gspo_megatron.megatron.routing import RoutingReplay
+
+        if len(routed_experts) != len(microbatches):
+            raise ValueError(f"routed_experts: {len(routed_experts)} recorded micro-batches for {len(microbatches)} "
+                             "update micro-batches; record them with compute_logprobs on the same sequences")
+        for mb, experts in zip(microbatches, routed_experts):
+            if tuple(experts.shape[:2]) != tuple(mb["input_ids"].shape):
+                raise ValueError(f"routed_experts: shape {tuple(experts.shape)} does not match the micro-batch "
+                                 f"{tuple(mb['input_ids'].shape)}")
+            mb["routed_experts"] = experts
+        sp_group = ps.get_tensor_model_parallel_group() if self.parallel.use_sequence_parallel else None
+        return RoutingReplay(self.module, sequence_parallel_group=sp_group)
 
     def sft_forward_backward(self, seqs: Sequence[TrainSequence]) -> dict:
         """Gradient of the supervised loss: mean negative log-likelihood of the response tokens of the
@@ -419,10 +451,11 @@ class PolicyModel:
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def train_minibatch(self, seqs: Sequence[TrainSequence]) -> dict[str, float]:
+    def train_minibatch(self, seqs: Sequence[TrainSequence],
+                        routed_experts: list[torch.Tensor] | None = None) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch: loss, backward, step. Returns the
         finalised metrics (means) plus grad_norm, lr and update_skipped."""
-        raw = self.forward_backward(seqs)
+        raw = self.forward_backward(seqs, routed_experts=routed_experts)
         step = self.optimizer_step()
         metrics = {k: float(v) for k, v in finalize_metrics(raw).items()} if raw else {}
         metrics.update(step)

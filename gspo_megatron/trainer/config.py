@@ -80,10 +80,10 @@ class TrainSection:
         check(self.prompts_per_step >= 1, f"{path}.prompts_per_step", "must be >= 1")
         check(self.minibatches_per_step >= 1, f"{path}.minibatches_per_step", "must be >= 1")
         check(self.max_tokens_per_microbatch >= 1, f"{path}.max_tokens_per_microbatch", "must be >= 1")
-        # megatron/routing.py implements R2/R3 replay (tested); the trainer does not pass the recorded
-        # experts into its update forwards yet, so refuse rather than silently train without replay
-        check(self.routing_replay == "off", f"{path}.routing_replay",
-              "r2 / r3 are not wired into the trainer loop yet (see docs/megatron.md); use off")
+        # R3 needs the engine's experts for prompt positions too, which the rollout Sample does not carry
+        # yet; refuse rather than silently train without replay
+        check(self.routing_replay != "r3", f"{path}.routing_replay",
+              "r3 (replaying the rollout engine's experts) is not wired into the trainer yet; use off or r2")
 
 
 @dataclasses.dataclass
@@ -152,6 +152,9 @@ class TrainConfig:
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
 
     def validate(self, path: str) -> None:
+        check(self.train.routing_replay == "off" or self.rollout.logprobs_from == "recompute",
+              "train.routing_replay", "r2 records the experts in the recomputed old-policy forward: "
+              "needs rollout.logprobs_from: recompute")
         responses = self.train.prompts_per_step * self.rollout.samples_per_prompt
         check(responses >= self.train.minibatches_per_step, "train.minibatches_per_step",
               f"must be <= prompts_per_step x samples_per_prompt = {responses}")

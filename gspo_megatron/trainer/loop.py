@@ -224,12 +224,16 @@ class Trainer:
         #    mini-batch's forward records the routing (for the drift after one update).
         t1 = time.perf_counter()
         drift = self.model_config.is_moe and cfg.train.measure_routing_drift
+        replay = cfg.train.routing_replay == "r2"
+        recorded: list[list[torch.Tensor] | None] = [None] * len(shares)  # R2: experts per micro-batch
         if cfg.rollout.logprobs_from == "recompute":
             old, routing_before = [], None
             for k, share in enumerate(shares):
-                with self._recorder(drift and k == 0) as recorder:
+                with self._recorder((drift and k == 0) or replay) as recorder:
                     old.extend(self.policy.compute_logprobs(share))
                 routing_before = recorder if k == 0 else routing_before
+                if replay:
+                    recorded[k] = recorder.routed_experts()
             for q, o in zip(my_seqs, old):
                 q.old_logprobs = o["logprobs"]
         else:
@@ -246,7 +250,7 @@ class Trainer:
         update_metrics = []
         metrics: dict[str, float] = {}
         for k, share in enumerate(shares):
-            update_metrics.append(self.policy.train_minibatch(share))
+            update_metrics.append(self.policy.train_minibatch(share, routed_experts=recorded[k]))
             if k == 0 and drift and cfg.rollout.logprobs_from == "recompute":
                 # routing drift after one gradient update (paper: ~10% of experts change on Qwen3-30B-A3B)
                 metrics.update(self._routing_drift(shares[0], routing_before))

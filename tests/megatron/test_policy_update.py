@@ -100,3 +100,21 @@ def _plain_logprobs(rank, world_size, cfg):
             out["logp"].append(lp)
             out["entropy"].append(h)
     return out
+
+
+def test_routing_replay_r2_in_the_update_forward():
+    from tests.megatron.train_workers import replay_after_update
+
+    out = run_distributed(replay_after_update, 1, (tiny_moe_config(),))[0]
+    changed = sum(int((out["free"][layer] != out["before"][layer]).any(dim=1).sum()) for layer in out["before"])
+    assert changed > 0  # without replay the update changed some tokens' experts
+    for layer, experts in out["before"].items():
+        assert torch.equal(out["replayed"][layer], experts), layer
+
+
+def test_nan_gradient_skips_the_update_on_every_rank():
+    from tests.megatron.train_workers import nan_gradient_is_skipped
+
+    for out in run_distributed(nan_gradient_is_skipped, 2, (tiny_moe_config(),)):
+        assert out["skipped"]["update_skipped"] == 1.0 and out["unchanged"] and out["count"] == 1
+        assert out["clean"]["update_skipped"] == 0.0 and out["changed"]

@@ -71,3 +71,51 @@ def all_layouts(rank, world_size, model_config, layouts, loss, optimizer_steps=0
 
 def microbatch_splits(rank, world_size, model_config, budgets, loss) -> dict:
     return {b: policy_step(rank, world_size, model_config, "single", loss, max_tokens=b) for b in budgets}
+
+
+def replay_after_update(rank, world_size, model_config) -> dict:
+    """R2 through PolicyModel: record the experts of the old-policy forward, take a large optimizer step so
+    free routing changes, then the update forward with routed_experts uses exactly the recorded experts."""
+    from megatron.core import parallel_state as ps
+
+    from gspo_megatron.megatron.routing import RoutingRecorder
+
+    initialize_model_parallel(LAYOUTS["single"], seed=0)
+    policy = PolicyModel(model_config, LAYOUTS["single"], OptimizerConfig(lr=0.5, clip_grad=0.0),
+                         LossConfig(algorithm="grpo"))
+    sharding.load_full_state_dict(policy.module, canonical_weights(model_config, seed=1))
+    seqs = make_sequences(model_config)
+    with RoutingRecorder(policy.module) as before:
+        olds = policy.compute_logprobs(seqs)
+    for q, o in zip(seqs, olds):
+        q.old_logprobs = o["logprobs"]
+    policy.train_minibatch(seqs)  # a big step: the routers move
+    with RoutingRecorder(policy.module) as free:
+        policy.compute_logprobs(seqs)
+    with RoutingRecorder(policy.module) as replayed:
+        policy.forward_backward(seqs, routed_experts=before.routed_experts())
+    assert ps.get_data_parallel_world_size() == 1
+    return {"before": before.experts, "free": free.experts, "replayed": replayed.experts}
+
+
+def nan_gradient_is_skipped(rank, world_size, model_config) -> dict:
+    """A non-finite gradient on one rank skips the update on every rank (weights unchanged, counted);
+    the next clean step updates normally."""
+    parallel = LAYOUTS["ep2"] if world_size == 2 else LAYOUTS["single"]
+    initialize_model_parallel(parallel, seed=0)
+    policy = PolicyModel(model_config, parallel, OptimizerConfig(lr=1e-2), LossConfig())
+    sharding.load_full_state_dict(policy.module, canonical_weights(model_config, seed=1))
+    seqs = make_sequences(model_config)
+    for q, o in zip(seqs, policy.compute_logprobs(seqs)):
+        q.old_logprobs = o["logprobs"] + 0.05
+    before = {n: p.detach().clone() for n, p in policy.module.named_parameters()}
+    policy.forward_backward(seqs)
+    if rank == 0:  # poison one gradient on one rank only
+        next(p for p in policy.ddp.parameters() if p.main_grad is not None).main_grad.view(-1)[0] = float("nan")
+    skipped = policy.optimizer_step()
+    unchanged = all(torch.equal(p, before[n]) for n, p in policy.module.named_parameters())
+    policy.forward_backward(seqs)
+    clean = policy.optimizer_step()
+    changed = any(not torch.equal(p, before[n]) for n, p in policy.module.named_parameters())
+    return {"skipped": skipped, "unchanged": unchanged, "clean": clean, "changed": changed,
+            "count": policy.skipped_steps}

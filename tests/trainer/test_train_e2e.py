@@ -1,8 +1,10 @@
 """End to end on CPU: the demo config trains, logs, checkpoints, resumes; config errors name the field."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,15 +16,35 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "cpu_demo.yaml"
 
 
-def train(run_dir, *overrides, resume=False):
+def command(run_dir, *overrides, resume=False):
     cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(DEMO), "--run-dir", str(run_dir),
            "logging.console=false", "logging.tensorboard=false", *overrides]
-    if resume:
-        cmd.append("--resume")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return cmd + (["--resume"] if resume else [])
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def train(run_dir, *overrides, resume=False):
+    proc = subprocess.run(command(run_dir, *overrides, resume=resume), capture_output=True, text=True, timeout=600,
+                          cwd=REPO, env=ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def kill_after_checkpoint(run_dir, step, *overrides):
+    """Start a run and SIGKILL it as soon as the checkpoint of ``step`` is complete."""
+    proc = subprocess.Popen(command(run_dir, *overrides), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    marker = Path(run_dir) / "checkpoints" / f"step_{step:06d}" / "gspo_meta.json"
+    deadline = time.monotonic() + 600
+    while not marker.exists():
+        assert proc.poll() is None, "the run ended before its checkpoint"
+        assert time.monotonic() < deadline, "no checkpoint in time"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return proc.returncode
 
 
 @pytest.mark.slow
@@ -40,9 +62,9 @@ def test_short_run_then_resume_matches_uninterrupted(tmp_path):
     ckpts = sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir())
     assert ckpts == ["step_000002", "step_000004"]  # keep_last: 2
 
-    # stop after step 2 (a checkpoint), resume to step 4: exactly the uninterrupted run's metrics
+    # SIGKILL once step 2's checkpoint exists, resume: exactly the uninterrupted run's metrics
     # (weights, Adam state, LR schedule, data position; randomness is a function of seed, step, rank)
-    train(tmp_path / "split", "train.steps=2", *common)
+    assert kill_after_checkpoint(tmp_path / "split", 2, "train.steps=4", *common) == -signal.SIGKILL
     resumed = train(tmp_path / "split", "train.steps=4", *common, resume=True)
     assert [m["step"] for m in resumed] == steps
     for a, b in zip(resumed, full):
