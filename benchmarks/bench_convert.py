@@ -14,7 +14,7 @@ repeated ``--repeat`` times, the best time of each step reported (the machine is
 
 Conversion times are measured inside the converting process around the conversion itself; interpreter
 start-up and imports (the same for any checkpoint size) are reported separately. Peak memory is the
-converting process's ``ru_maxrss``, next to the same process's RSS after imports (the baseline).
+converting process's peak resident set (VmHWM), next to its peak after imports (the baseline).
 Writes benchmarks/results/convert.json and prints a table.
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ import json
 import math
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -86,6 +85,15 @@ def _canonical_shape(name: str, config) -> tuple[int, ...]:
     return canonical_shapes(config)[name]
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM). Not ru_maxrss: Linux carries the parent's peak
+    over fork + exec into the child's ru_maxrss."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def child(argv: list[str]) -> None:
     """Run one conversion in this process; print timings and memory as JSON on the last line."""
     start = time.perf_counter()
@@ -94,14 +102,13 @@ def child(argv: list[str]) -> None:
 
     with dcp_io.single_process_megatron():  # import and warm up Megatron outside the timed part
         dcp_io.checkpoint_layout(tiny_moe_config())
-    baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    baseline = peak_rss_bytes()
     startup_s = time.perf_counter() - start
     start = time.perf_counter()
     code = cli.main(argv)
     seconds = time.perf_counter() - start
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"code": code, "seconds": seconds, "startup_s": startup_s,
-                      "baseline_rss_bytes": baseline_kb * 1024, "peak_rss_bytes": peak_kb * 1024}))
+                      "baseline_rss_bytes": baseline, "peak_rss_bytes": peak_rss_bytes()}))
 
 
 def run_child(args: list[str]) -> dict:

@@ -271,7 +271,9 @@ class Trainer:
         metrics["zero_variance_group_frac"] = float(adv.zero_variance.float().mean())
         lengths = torch.tensor([len(s.response_ids) for _, samples, _ in batch for s in samples], dtype=torch.float32)
         metrics["response_length_mean"] = float(lengths.mean())
-        metrics.update(_logprob_gap(my_seqs, self.policy.model_config))
+        from megatron.core import parallel_state as ps
+
+        metrics.update(_logprob_gap(my_seqs, ps.get_data_parallel_group()))
         metrics.update({f"reward/{k}": v for k, v in reward_metrics.items()})
         metrics.update(timings)
         total = time.perf_counter() - t0
@@ -421,11 +423,27 @@ def _mean_dicts(parts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def _logprob_gap(seqs: list[TrainSequence], model_config) -> dict[str, float]:
-    """Training/inference mismatch: |log pi_old (training model) - log pi_rollout (engine)| per token."""
-    diffs = [(q.old_logprobs - q.rollout_logprobs).abs() for q in seqs
+def _logprob_gap(seqs: list[TrainSequence], dp_group) -> dict[str, float]:
+    """Training/inference mismatch over the whole rollout batch (all DP ranks): per response token
+    |log pi_old (training model) - log pi_rollout (engine)|, mean and max."""
+    from gspo_megatron.rollout.logprob_gap import GapSums, finalize, gap_sums
+
+    pairs = [(q.old_logprobs, q.rollout_logprobs) for q in seqs
              if q.old_logprobs is not None and q.rollout_logprobs is not None and q.response_len > 0]
-    if not diffs:
+    if pairs:
+        train = torch.cat([a for a, _ in pairs])[None]
+        rollout = torch.cat([b for _, b in pairs])[None]
+        sums = gap_sums(train, rollout, torch.ones_like(train, dtype=torch.bool))
+    else:
+        zero = torch.zeros((), dtype=torch.float64)
+        sums = GapSums(zero, zero.clone(), zero.clone(), zero.clone())
+    if dist.get_world_size(dp_group) > 1:
+        total = torch.stack([sums.sum_abs, sums.sum_signed, sums.num_tokens.to(torch.float64)])
+        dist.all_reduce(total, group=dp_group)
+        peak = sums.max_abs.clone()
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dp_group)
+        sums = GapSums(total[0], total[1], peak, total[2])
+    if int(sums.num_tokens) == 0:
         return {}
-    flat = torch.cat(diffs)
-    return {"logprob_gap_mean": float(flat.mean()), "logprob_gap_max": float(flat.max())}
+    gap = finalize(sums)
+    return {"logprob_gap_mean": gap.mean_abs, "logprob_gap_max": gap.max_abs, "logprob_gap_signed": gap.mean_signed}
