@@ -17,8 +17,9 @@ Per layout, after one warm-up, repeats interleave for each bucket size:
   same number of bytes once (the floor any sync pays; once per repeat, independent of the bucket size).
 
 Each timing is the slowest rank's (a collective ends when its last rank does), ranks start each timed
-step together (barrier). The figures are medians over repeats; read the ratios, the absolute times move
-with the load of the shared 2-core machine. Writes a JSON result and prints a table.
+step together (barrier). Minor page faults (rank 0, per timed step) count fresh memory being touched.
+The figures are medians over repeats; read the ratios, the absolute times move with the load of the
+shared 2-core machine. Writes a JSON result and prints a table.
 """
 from __future__ import annotations
 
@@ -50,13 +51,19 @@ def _slowest(elapsed_s: float) -> float:
     return float(t)
 
 
-def _timed(fn) -> float:
+def _timed(fn, faults: list[int]) -> float:
+    """The slowest rank's time of ``fn()``; appends this rank's minor page faults during it to ``faults``."""
+    import resource
+
     import torch.distributed as dist
 
     dist.barrier()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     fn()
-    return _slowest(time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return _slowest(elapsed)
 
 
 def worker(rank: int, world_size: int, expert_parallel: int, bucket_sizes: list[int], repeats: int) -> dict:
@@ -98,20 +105,24 @@ def worker(rank: int, world_size: int, expert_parallel: int, bucket_sizes: list[
     copy_all()
     buckets = {b: export_only(b) for b in bucket_sizes}
     times = {"copy_s": [], **{f"sync_s@{b}": [] for b in bucket_sizes}, **{f"export_s@{b}": [] for b in bucket_sizes}}
+    faults = {key: [] for key in times}
     work = [(r, b) for r in range(repeats) for b in [None, *bucket_sizes]]
     label = f"EP={expert_parallel} on {world_size} rank(s)"
     for _, bucket in (track(work, description=label) if rank == 0 else work):
         if bucket is None:
-            times["copy_s"].append(_timed(copy_all))
+            times["copy_s"].append(_timed(copy_all, faults["copy_s"]))
             continue
-        times[f"sync_s@{bucket}"].append(_timed(lambda: sync_weights(model, config, engine, bucket)))
-        times[f"export_s@{bucket}"].append(_timed(lambda: export_only(bucket)))
+        key = f"sync_s@{bucket}"
+        times[key].append(_timed(lambda: sync_weights(model, config, engine, bucket), faults[key]))
+        key = f"export_s@{bucket}"
+        times[key].append(_timed(lambda: export_only(bucket), faults[key]))
     return {"bytes": copy_bytes, "megatron_local_bytes": local_bytes, "buckets": buckets, "times": times,
-            "weight_version": engine.weight_version}
+            "minor_page_faults": faults, "weight_version": engine.weight_version}
 
 
 def summarize(layout: str, result: dict, bucket_sizes: list[int]) -> list[dict]:
     copy_s = statistics.median(result["times"]["copy_s"])
+    faults = result["minor_page_faults"]
     rows = []
     for b in bucket_sizes:
         sync_s = statistics.median(result["times"][f"sync_s@{b}"])
@@ -119,7 +130,9 @@ def summarize(layout: str, result: dict, bucket_sizes: list[int]) -> list[dict]:
         rows.append({"layout": layout, "bucket_mb": b / MB, "buckets": result["buckets"][b],
                      "sync_s": sync_s, "export_s": export_s, "copy_s": copy_s,
                      "sync_gb_per_s": result["bytes"] / sync_s / 1e9, "copy_gb_per_s": result["bytes"] / copy_s / 1e9,
-                     "sync_over_copy": sync_s / copy_s, "export_share_of_sync": export_s / sync_s})
+                     "sync_over_copy": sync_s / copy_s, "export_share_of_sync": export_s / sync_s,
+                     "sync_minor_faults_rank0": statistics.median(faults[f"sync_s@{b}"]),
+                     "copy_minor_faults_rank0": statistics.median(faults["copy_s"])})
     return rows
 
 
@@ -148,12 +161,13 @@ def main() -> None:
 
     table = Table(title=f"weight sync vs copy_ of the same {results['1 process']['bytes'] / 1e6:.0f} MB (medians)")
     for column in ("layout", "bucket MB", "buckets", "sync s", "export s", "copy_ s", "sync GB/s", "copy_ GB/s",
-                   "sync / copy_"):
+                   "sync / copy_", "page faults / sync"):
         table.add_column(column)
     for r in rows:
         table.add_row(r["layout"], f"{r['bucket_mb']:g}", str(r["buckets"]), f"{r['sync_s']:.3f}",
                       f"{r['export_s']:.3f}", f"{r['copy_s']:.3f}", f"{r['sync_gb_per_s']:.2f}",
-                      f"{r['copy_gb_per_s']:.2f}", f"{r['sync_over_copy']:.1f}x")
+                      f"{r['copy_gb_per_s']:.2f}", f"{r['sync_over_copy']:.1f}x",
+                      f"{r['sync_minor_faults_rank0']:.0f}")
     Console(width=150).print(table)
 
     report = {
@@ -167,6 +181,7 @@ def main() -> None:
                         "torch_threads_per_rank": 1, "loadavg_at_start": loadavg_at_start},
         "rows": rows,
         "raw_times": {k: v["times"] for k, v in results.items()},
+        "raw_minor_page_faults_rank0": {k: v["minor_page_faults"] for k, v in results.items()},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

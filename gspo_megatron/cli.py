@@ -3,9 +3,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+
+
+def _quiet_known_warnings() -> None:
+    """Megatron warns at import about every optional CUDA library it does not find (apex, Transformer
+    Engine); on CPU that is expected and drowns the training output. Other warnings stay visible."""
+    warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine).*not installed.*")
+    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
 
 
 def main(argv: list[str] | None = None) -> int:
+    _quiet_known_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="gspo-megatron", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -119,6 +119,9 @@ class EvalSection:
 
 @dataclasses.dataclass
 class LoggingSection:
+    """Metrics go to RUN_DIR/metrics.jsonl always; also TensorBoard (RUN_DIR/tensorboard), Weights &
+    Biases when ``wandb_project`` is set (pip install wandb), and a live console display."""
+
     tensorboard: bool = True
     wandb_project: str | None = None
     console: bool = True

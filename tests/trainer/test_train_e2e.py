@@ -85,3 +85,9 @@ def test_config_errors_name_the_field(tmp_path):
     cfg = load_config(DEMO, ["optimizer.lr=1e-4", "loss.algorithm=grpo"])
     assert cfg.optimizer.lr == 1e-4 and cfg.loss.clip_low == 0.2 and cfg.loss.clip_high == 0.27
     assert Path(cfg.data.train_files[0]).is_absolute()
+
+
+def test_configuration_doc_lists_every_field():
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gen_config_docs.py"), "--check"], capture_output=True,
+                          text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
