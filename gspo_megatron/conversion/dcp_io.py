@@ -66,14 +66,15 @@ class CheckpointLayout:
 
 @contextlib.contextmanager
 def single_process_megatron() -> Iterator[None]:
-    """A one-process gloo group (in-memory store, no port) with Megatron's groups at TP=PP=EP=1."""
+    """A one-process group (gloo on CPU, NCCL on GPU; in-memory store, no port) with Megatron's groups
+    at TP=PP=EP=1."""
     from gspo_megatron.megatron import parallel
 
     if dist.is_initialized():
         raise ConversionError("offline conversion runs in its own process: torch.distributed is already "
                               "initialised here (use conversion.export.export_hf_tensors inside a job)")
     excepthook = sys.excepthook  # init_process_group prefixes tracebacks with "[rank0]:" for good
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(parallel.default_backend(), store=dist.HashStore(), rank=0, world_size=1)
     try:
         parallel.initialize_model_parallel(parallel.ParallelConfig())
         yield
@@ -256,8 +257,8 @@ def _check_coverage(metadata) -> None:
 @contextlib.contextmanager
 def _without_zip_crc32() -> Iterator[None]:
     """DCP stores each chunk as a torch.save zip; computing the zip records' CRC32 took 2/3 of
-    torch.save's time (1.4 ms vs 0.5 ms per 1.5 MB here). torch.load does not check it, DCP has no
-    checksums of its own, and Megatron's own saves are read the same way."""
+    torch.save's time (1.4 ms vs 0.5 ms per 1.5 MB here). torch.load does not check it and DCP has no
+    checksums of its own. Process-wide while it lasts: conversion is the only work of its process."""
     from torch.utils.serialization import config
 
     saved = config.save.compute_crc32

@@ -55,6 +55,9 @@ def atomic_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> Itera
     check_output(out, overwrite, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.incomplete-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
     try:
         yield tmp
     except BaseException:
@@ -207,16 +210,17 @@ def _producer(hf: HFCheckpoint, entry: Entry):
 # ---- Megatron -> HF ------------------------------------------------------------------------------
 
 def _config_from_checkpoint(directory: Path) -> ModelConfig | None:
-    path = directory / MODEL_CONFIG_NAME
-    if path.is_file():
-        data, source = json.loads(path.read_text()), path
-    elif (directory / "gspo_meta.json").is_file() and "model_config" in json.loads((directory / "gspo_meta.json").read_text()):
-        data, source = json.loads((directory / "gspo_meta.json").read_text())["model_config"], directory / "gspo_meta.json"
-    else:
-        return None
+    """model_config.json (written by hf_to_megatron), else gspo_meta.json's model_config, else None."""
     from gspo_megatron.typed_config import build
 
-    return build(ModelConfig, data, str(source))
+    own, meta = directory / MODEL_CONFIG_NAME, directory / "gspo_meta.json"
+    if own.is_file():
+        return build(ModelConfig, json.loads(own.read_text()), str(own))
+    if meta.is_file():
+        data = json.loads(meta.read_text())
+        if "model_config" in data:
+            return build(ModelConfig, data["model_config"], f"{meta}: model_config")
+    return None
 
 
 def export_config(megatron_dir: Path, hf_template: Path | None) -> tuple[ModelConfig, Path | None]:
@@ -244,13 +248,18 @@ def export_config(megatron_dir: Path, hf_template: Path | None) -> tuple[ModelCo
 
 def _write_hf_config(template: Path | None, config: ModelConfig, dest: Path, dtype: torch.dtype | None,
                      stored_dtype: torch.dtype) -> None:
+    """The template's files (config.json re-dtyped when casting), else a config.json and a
+    generation_config.json made from the model config (no tokenizer: there is none to copy)."""
     if template is not None:
         copy_hf_side_files(template, dest)
         if dtype is None:
             return
         data = json.loads((dest / "config.json").read_text())
     else:
+        import transformers
+
         data = config.to_hf_dict()
+        transformers.GenerationConfig.from_model_config(config.to_hf_config()).save_pretrained(dest)
     key = "torch_dtype" if "torch_dtype" in data and "dtype" not in data else "dtype"
     data[key] = str(dtype or stored_dtype).removeprefix("torch.")
     _write_json(dest / "config.json", data)

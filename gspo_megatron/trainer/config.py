@@ -20,6 +20,7 @@ from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.parallel import ParallelConfig
 from gspo_megatron.megatron.train import OptimizerConfig
 from gspo_megatron.rewards.config import RewardConfig
+from gspo_megatron.rollout.sglang_config import SGLangConfig
 from gspo_megatron.typed_config import ConfigError, build, check, to_dict
 
 
@@ -52,7 +53,7 @@ class RolloutSection:
     top_p: float = 1.0
     top_k: int = 0
     logprobs_from: Literal["recompute", "engine"] = "recompute"
-    sglang: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sglang: SGLangConfig | None = None  # required with engine: sglang
 
     def validate(self, path: str) -> None:
         check(self.samples_per_prompt >= 2, f"{path}.samples_per_prompt",
@@ -60,6 +61,8 @@ class RolloutSection:
         check(self.max_new_tokens >= 1, f"{path}.max_new_tokens", "must be >= 1")
         check(self.temperature > 0, f"{path}.temperature", "must be > 0 for RL sampling")
         check(0 < self.top_p <= 1, f"{path}.top_p", "must be in (0, 1]")
+        check(self.engine != "sglang" or self.sglang is not None, f"{path}.sglang",
+              "required with engine: sglang (urls of running servers, or launch settings)")
 
 
 @dataclasses.dataclass

@@ -117,11 +117,11 @@ class Trainer:
             from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
             return HFRolloutEngine(self.model_config.to_hf_config(), init_seed=self.config.model.init_seed)
-        from gspo_megatron.rollout.sglang_config import SGLangConfig
         from gspo_megatron.rollout.sglang_engine import SGLangEngine
-        from gspo_megatron.typed_config import build
 
-        return SGLangEngine.from_config(build(SGLangConfig, self.config.rollout.sglang, "rollout.sglang"))
+        # GPU path, not run in this project's CI: every rank drives its share of the rollouts through
+        # the servers; weight sync per docs/rollout.md (colocated tensor mode needs ColocatedSync).
+        return SGLangEngine.from_config(self.config.rollout.sglang)
 
     def _initialise_weights(self) -> None:
         """Load HF weights when given; otherwise keep Megatron's seeded random initialisation."""

@@ -101,3 +101,17 @@ def test_bf16_checkpoint_round_trips_in_bf16(tmp_path):
     assert dcp_io.CheckpointReader(meg).tensor_keys()["model.embedding.word_embeddings.weight"][1] == torch.bfloat16
     back = offline.megatron_to_hf(meg, tmp_path / "back", progress=False)
     assert (back / "model.safetensors").read_bytes() == (hf / "model.safetensors").read_bytes()
+
+
+def test_export_without_any_template_writes_configs_from_the_model_config(converted, tmp_path):
+    import shutil
+
+    hf, meg, _ = converted["llama"]
+    bare = shutil.copytree(meg, tmp_path / "meg")
+    shutil.rmtree(bare / "hf")
+    back = offline.megatron_to_hf(bare, tmp_path / "back", progress=False)
+    assert ModelConfig.from_hf_dir(back) == ModelConfig.from_hf_dir(hf)
+    assert json.loads((back / "config.json").read_text())["dtype"] == "float32"
+    assert (back / "generation_config.json").is_file() and not (back / "tokenizer.json").exists()
+    ours, theirs = read_all(back), read_all(hf)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)

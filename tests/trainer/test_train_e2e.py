@@ -91,3 +91,12 @@ def test_configuration_doc_lists_every_field():
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "gen_config_docs.py"), "--check"], capture_output=True,
                           text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_validate(path):
+    cfg = load_config(path)
+    if "qwen3_30b" in path.name:  # the paper's settings
+        assert (cfg.loss.algorithm, cfg.loss.clip_low, cfg.loss.clip_high) == ("gspo", 3e-4, 4e-4)
+        assert cfg.train.minibatches_per_step == 4 and cfg.loss.kl_coef == 0.0
+        assert cfg.parallel.expert_parallel == 8 and cfg.rollout.engine == "sglang"

@@ -1,0 +1,358 @@
+"""Our trainer vs Hugging Face TRL's GRPOTrainer in GSPO mode: one RL step, phase by phase, in one run.
+
+Both sides train the same tiny Qwen3-MoE (``examples/cpu_demo.yaml``: 2 layers, hidden 64, 4 experts
+top-2, vocab 100) from the same random initial weights (written once with ``save_pretrained``, loaded
+by both), on the same sort prompts in the same order, with the same batch: 16 prompts x 8 samples =
+128 responses of at most 8 new tokens, four optimizer steps per rollout batch, no KL, GSPO clipping
+3e-4 / 4e-4, fp32 on CPU, no warm start, no evaluation, no checkpoints.
+
+Each side runs in its own long-lived process; TRL in a separate virtualenv (``.venv-trl``, created
+here when missing) so it cannot change the project's torch/transformers. The driver alternates steps:
+ours, TRL, ours, TRL, ... (the side that is not stepping blocks on a pipe, so they never compete for
+the cores). After ``--warmup`` steps each, ``--steps`` steps are timed and the medians are reported.
+
+Phases (what each figure covers):
+  generation  ours: ``time_rollout_s`` (engine.generate + decode + rewards);
+              TRL: ``_generate_and_score_completions`` minus the old-log-prob forward inside it
+              (model.generate + decode + rewards + group advantages)
+  logprobs    old-policy log-probs of the 128 responses (ours: ``time_logprobs_s``; TRL: the no-grad
+              ``_get_per_token_logps_and_entropies`` call inside ``_generate_and_score_completions``)
+  update      the four optimizer steps (ours: ``time_update_s``; TRL: the rest of its four
+              ``Trainer`` optimizer steps: forward, loss, backward, clipping, AdamW, callbacks)
+  sync        ours only: pushing the new weights into the rollout engine (TRL samples with the
+              training model itself)
+  step        wall time of the whole step (ours: ``time_step_s``; TRL: four optimizer steps)
+
+    .venv/bin/python benchmarks/bench_trl.py [--steps 40] [--warmup 3] [--threads 1]
+                                             [--out benchmarks/results/trl.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import select
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "examples" / "cpu_demo.yaml"
+TRL_SIDE = Path(__file__).resolve().parent / "trl_side.py"
+TRL_REQUIREMENT = "trl==1.16.0"  # the release this benchmark was written against (works with transformers 5.24)
+MARKER = "@@BENCH "  # protocol lines on a worker's stdout; anything else is the libraries' chatter
+PHASES = ("generation", "logprobs", "update", "step")
+
+# Our trainer in the benchmark's shape: no warm start, no evaluation, no checkpoints, no log files
+# (``train_step`` is called directly, so ``train.steps`` only sizes the LR schedule).
+OUR_OVERRIDES = ["sft.steps=0", "eval.every_steps=0", "checkpoint.every_steps=0", "train.steps=1000",
+                 "logging.tensorboard=false", "logging.console=false", "rewards.num_workers=0"]
+
+
+# ---- set-up ------------------------------------------------------------------------------------
+def ensure_trl_venv(venv: Path, torch_version: str) -> Path:
+    """Create ``venv`` with the CPU torch wheel and TRL when it has no python yet; return its python."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f"creating {venv} (torch=={torch_version}, {TRL_REQUIREMENT})", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        # torch first, pinned, so the local CPU wheel is used rather than a CUDA build pulled in by trl
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"torch=={torch_version}"], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", TRL_REQUIREMENT], check=True)
+    return python
+
+
+def package_versions(python: Path, packages: tuple[str, ...]) -> dict[str, str]:
+    code = ("import importlib.metadata as m, json, sys; "
+            f"print(json.dumps({{p: m.version(p) for p in {list(packages)!r}}}))")
+    out = subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def write_hf_model(config, directory: Path) -> None:
+    """The demo model's random initial weights (seeded by ``model.init_seed``) and the demo tokenizer,
+    as a Hugging Face folder both sides load."""
+    import torch
+    import transformers
+
+    from gspo_megatron.data.tokenizer import demo_tokenizer_path
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(demo_tokenizer_path())
+    hf_config = config.model.config.to_hf_config()
+    # generation on both sides ends at the tokenizer's end-of-turn and pads with <pad>
+    hf_config.pad_token_id, hf_config.eos_token_id, hf_config.bos_token_id = (tokenizer.pad_token_id,
+                                                                              tokenizer.eos_token_id, None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.model.init_seed)
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = None
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def write_prompt_order(config, tokenizer, num_steps: int, path: Path) -> None:
+    """The prompts our trainer draws in its first ``num_steps`` steps, in order, as JSONL for TRL (which
+    then reads them unshuffled): same prompts per step on both sides."""
+    from gspo_megatron.data.dataset import load_prompt_datasets
+    from gspo_megatron.data.iterator import PromptIterator
+
+    train, _ = load_prompt_datasets(config.data, tokenizer)
+    prompts = PromptIterator(train, config.train.prompts_per_step, seed=config.data.seed, shuffle=config.data.shuffle)
+    with open(path, "w") as f:
+        for _ in range(num_steps):
+            for sample in next(prompts):
+                row = {"prompt": sample.prompt_text, "prompt_ids": list(sample.prompt_ids),
+                       "answer": sample.answer, "meta": sample.meta}
+                f.write(json.dumps(row) + "\n")
+
+
+def trl_settings(config) -> dict:
+    """What the TRL side needs to mirror our config (one source of truth: the loaded TrainConfig)."""
+    return {
+        "prompts_per_step": config.train.prompts_per_step,
+        "samples_per_prompt": config.rollout.samples_per_prompt,
+        "minibatches_per_step": config.train.minibatches_per_step,
+        "max_new_tokens": config.rollout.max_new_tokens,
+        "temperature": config.rollout.temperature,
+        "top_p": config.rollout.top_p,
+        "top_k": config.rollout.top_k,
+        "lr": config.optimizer.lr,
+        "weight_decay": config.optimizer.weight_decay,
+        "adam_beta1": config.optimizer.adam_beta1,
+        "adam_beta2": config.optimizer.adam_beta2,
+        "adam_eps": config.optimizer.adam_eps,
+        "clip_grad": config.optimizer.clip_grad,
+        "clip_low": config.loss.clip_low,
+        "clip_high": config.loss.clip_high,
+        "seed": config.train.seed,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- worker protocol ---------------------------------------------------------------------------
+def emit(message: dict) -> None:
+    print(MARKER + json.dumps(message), flush=True)
+
+
+class Worker:
+    """A side's process: send ``step`` / ``stop`` on stdin, read one marker line of JSON per step."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]):
+        self.name = name
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, bufsize=1, env=env, cwd=REPO)
+        self.log_path = log_path
+
+    def read(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
+            if not ready:
+                raise TimeoutError(f"{self.name}: no answer within {timeout_s:.0f} s (log: {self.log_path})")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.name}: exited with {self.proc.wait()} (log: {self.log_path})")
+            if line.startswith(MARKER):
+                return json.loads(line[len(MARKER):])
+            self.log.write(line)
+
+    def step(self, timeout_s: float) -> dict:
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        return self.read(timeout_s)
+
+    def stop(self, timeout_s: float = 120) -> None:
+        self.proc.stdin.write("stop\n")
+        self.proc.stdin.flush()
+        self.read(timeout_s)  # the final acknowledgement
+        self.proc.wait(timeout=timeout_s)
+        self.log.close()
+
+
+# ---- our side ----------------------------------------------------------------------------------
+def run_ours(args: argparse.Namespace) -> None:
+    """Worker: build our Trainer on the shared HF folder and run ``train_step`` on command."""
+    import torch
+
+    from gspo_megatron.megatron import parallel
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.trainer.launch_env import export_for_torch, resolve_launch
+    from gspo_megatron.trainer.loop import Trainer
+
+    torch.set_num_threads(args.threads)
+    launch = resolve_launch(os.environ)
+    os.environ.update(export_for_torch(launch, os.environ))
+    config = load_config(CONFIG, OUR_OVERRIDES + [f"model.hf_dir={args.hf_dir}", "model.config=null"])
+    parallel.init_process_group(launch.rank, launch.world_size, launch.master_addr, launch.master_port)
+    trainer = Trainer(config, args.run_dir)
+    # time the bare sampling inside the rollout phase (the rest is decode + rewards)
+    engine_generate = trainer.engine.generate
+    generate_s = [0.0]
+
+    def timed_generate(*a, **kw):
+        t = time.perf_counter()
+        out = engine_generate(*a, **kw)
+        generate_s[0] += time.perf_counter() - t
+        return out
+
+    trainer.engine.generate = timed_generate
+    emit({"ready": True, "torch_threads": torch.get_num_threads()})
+    for command in sys.stdin:
+        if command.strip() == "stop":
+            break
+        generate_s[0] = 0.0
+        t = time.perf_counter()
+        metrics = trainer.train_step()
+        wall = time.perf_counter() - t
+        trainer.step += 1
+        emit({"generation": metrics["time_rollout_s"], "generate_only": generate_s[0],
+              "logprobs": metrics["time_logprobs_s"], "update": metrics["time_update_s"],
+              "sync": metrics["time_sync_s"], "step": metrics["time_step_s"], "wall": wall,
+              "reward_mean": metrics["reward_mean"], "response_length_mean": metrics["response_length_mean"],
+              "clip_frac_seq": metrics.get("clip_frac_seq", float("nan"))})
+    trainer.close()
+    parallel.destroy()
+    emit({"stopped": True})
+
+
+# ---- report ------------------------------------------------------------------------------------
+def summarize(ours: list[dict], trl: list[dict]) -> dict:
+    """Medians per phase and the median of per-step ratios TRL / ours (steps paired in run order)."""
+    out = {}
+    for phase in PHASES:
+        a, b = [s[phase] for s in ours], [s[phase] for s in trl]
+        out[phase] = {"ours_median_s": statistics.median(a), "trl_median_s": statistics.median(b),
+                      "ratio_trl_over_ours": statistics.median([y / x for x, y in zip(a, b)]),
+                      "ratio_min": min(y / x for x, y in zip(a, b)), "ratio_max": max(y / x for x, y in zip(a, b))}
+    out["ours_sync_median_s"] = statistics.median(s["sync"] for s in ours)
+    out["ours_generate_only_median_s"] = statistics.median(s["generate_only"] for s in ours)
+    out["trl_generate_only_median_s"] = statistics.median(s["generate_only"] for s in trl)
+    return out
+
+
+def print_table(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="one GSPO step, 16 prompts x 8 samples x <= 8 tokens, 4 optimizer steps (CPU, medians)")
+    for column in ("phase", "ours s", "TRL s", "TRL / ours (median)", "min", "max"):
+        table.add_column(column)
+    for phase in PHASES:
+        p = summary[phase]
+        table.add_row(phase, f"{p['ours_median_s']:.3f}", f"{p['trl_median_s']:.3f}",
+                      f"{p['ratio_trl_over_ours']:.2f}x", f"{p['ratio_min']:.2f}x", f"{p['ratio_max']:.2f}x")
+    table.add_row("sync (ours only)", f"{summary['ours_sync_median_s']:.3f}", "-", "", "", "")
+    table.add_row("  of generation: sampling", f"{summary['ours_generate_only_median_s']:.3f}",
+                  f"{summary['trl_generate_only_median_s']:.3f}", "", "", "")
+    Console().print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side first")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads on both sides (1: stable on a shared machine)")
+    parser.add_argument("--trl-venv", default=str(REPO / ".venv-trl"))
+    parser.add_argument("--step-timeout-s", type=float, default=600.0)
+    parser.add_argument("--keep-workdir", action="store_true", help="keep the temp folder (model, prompts, logs)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "trl.json"))
+    # internal: the worker mode of our side
+    parser.add_argument("--ours-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hf-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.ours_worker:
+        run_ours(args)
+        return
+
+    import torch
+    import transformers
+    from rich.progress import track
+
+    from gspo_megatron.trainer.config import load_config
+
+    trl_python = ensure_trl_venv(Path(args.trl_venv), torch.__version__.split("+")[0])
+    config = load_config(CONFIG, OUR_OVERRIDES)
+    total = args.warmup + args.steps
+    work = Path(tempfile.mkdtemp(prefix="bench-trl-"))
+    hf_dir, prompts = work / "hf", work / "prompts.jsonl"
+    write_hf_model(config, hf_dir)
+    write_prompt_order(config, transformers.AutoTokenizer.from_pretrained(hf_dir), total, prompts)
+    settings = trl_settings(config)
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    ours = Worker("ours", [sys.executable, __file__, "--ours-worker", "--hf-dir", str(hf_dir),
+                           "--run-dir", str(work / "run"), "--threads", str(args.threads)], work / "ours.log", env)
+    trl = Worker("trl", [str(trl_python), str(TRL_SIDE), "--hf-dir", str(hf_dir), "--prompts", str(prompts),
+                         "--steps", str(total), "--threads", str(args.threads), "--settings", json.dumps(settings),
+                         "--out-dir", str(work / "trl")], work / "trl.log", env)
+    ready = {"ours": ours.read(args.step_timeout_s), "trl": trl.read(args.step_timeout_s)}
+    results: dict[str, list[dict]] = {"ours": [], "trl": []}
+    for i in track(range(total), description="ours / TRL steps"):
+        for side in (ours, trl):  # alternate: one step each
+            results[side.name].append(side.step(args.step_timeout_s))
+    ours.stop()
+    trl.stop()
+
+    timed = {name: steps[args.warmup:] for name, steps in results.items()}
+    summary = summarize(timed["ours"], timed["trl"])
+    report = {
+        "command": "python benchmarks/bench_trl.py " + " ".join(sys.argv[1:]),
+        "setup": {
+            "model": "cpu_demo Qwen3-MoE: 2 layers, hidden 64, 4 heads / 2 KV heads (head 16), 4 experts top-2 "
+                     "(expert FFN 64), vocab 100, fp32, same random initial weights on both sides",
+            "task": "examples/data/sort/train.jsonl, same prompts in the same order on both sides",
+            "batch": f"{settings['prompts_per_step']} prompts x {settings['samples_per_prompt']} samples, "
+                     f"<= {settings['max_new_tokens']} new tokens, {settings['minibatches_per_step']} optimizer "
+                     "steps per rollout batch",
+            "ours": "gspo_megatron Trainer.train_step, examples/cpu_demo.yaml with " + " ".join(OUR_OVERRIDES),
+            "trl": ready["trl"]["grpo_config"],
+            "phases": __doc__.split("Phases (what each figure covers):\n")[1].split("\n\n")[0],
+        },
+        "environment": {
+            "python": platform.python_version(),
+            "ours": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "megatron-core": package_versions(Path(sys.executable), ("megatron-core",))["megatron-core"],
+                     "torch_threads": ready["ours"]["torch_threads"]},
+            "trl_venv": {**package_versions(trl_python, ("trl", "torch", "transformers", "accelerate")),
+                         "torch_threads": ready["trl"]["torch_threads"]},
+            "cpu_count": os.cpu_count(),
+            "loadavg_at_end": list(os.getloadavg()),
+        },
+        "warmup_steps": args.warmup,
+        "timed_steps": args.steps,
+        "summary": summary,
+        "steps": results,
+    }
+    print_table(summary)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(out)
+    print(f"wrote {out}")
+    if args.keep_workdir:
+        print(f"kept {work}")
+    else:
+        shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
