@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="the CPU demo: train --config examples/cpu_demo.yaml")
     add_train_arguments(demo, config_required=False)
     sub.add_parser("plot", help="PNG charts from run folders' metrics", add_help=False)
+    from gspo_megatron.trainer import evaluate
+
+    evaluate.add_arguments(sub.add_parser("eval", help="pass@1 / pass@k of a checkpoint on held-out prompts"))
     sub.add_parser("convert", help="checkpoint conversion (see `gspo-megatron convert -h`)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "smoke":
@@ -39,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
             args.config = args.config or str(REPO_EXAMPLES / "cpu_demo.yaml")
             argv = ["train", "--config", args.config, *argv[1:]]
         return run_training(args, argv)
+    if args.command == "eval":
+        from gspo_megatron.trainer import evaluate
+
+        evaluate.run_eval(args)
+        return 0
     if args.command == "plot":
         from gspo_megatron.trainer import plot
 

@@ -43,7 +43,10 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 class Trainer:
     """Builds everything from a ``TrainConfig`` and runs the loop (see the module docstring)."""
 
-    def __init__(self, config: TrainConfig, run_dir: str | Path, resume: bool = False):
+    def __init__(self, config: TrainConfig, run_dir: str | Path, resume: bool = False,
+                 init_checkpoint: str | Path | None = None):
+        """resume: continue from the newest checkpoint in ``run_dir``; init_checkpoint: take the weights
+        (only) of that checkpoint folder instead of the configured initialisation (``gspo-megatron eval``)."""
         from megatron.core import parallel_state as ps
 
         from gspo_megatron.data.dataset import load_prompt_datasets
@@ -84,6 +87,8 @@ class Trainer:
         latest = self.latest_checkpoint() if resume else None
         if latest is not None:
             self.load_checkpoint(latest)
+        elif init_checkpoint is not None:
+            self.load_checkpoint(Path(init_checkpoint), restore_progress=False)
         else:
             self._initialise_weights()
             if config.sft.steps:
@@ -359,12 +364,16 @@ class Trainer:
         dist.barrier()
         return path
 
-    def load_checkpoint(self, path: Path) -> None:
+    def load_checkpoint(self, path: Path, restore_progress: bool = True) -> None:
+        """Model, optimizer, schedule (and reference) from ``path``; with ``restore_progress`` also the step,
+        the data position and the fault counters (a resume), else only the weights' state."""
         state = ckpt.load(self._sharded_state(is_loading=True), path)
         self.policy.load_sharded_state_dict(state)
         if self.reference is not None:
             self.reference.module.load_state_dict(
                 {k.removeprefix("reference."): v for k, v in state["reference"].items()}, strict=True)
+        if not restore_progress:
+            return
         meta = ckpt.read_meta(path)
         self.step = int(meta["step"])
         self.prompts.load_state_dict(meta["data"])

@@ -62,6 +62,17 @@ def test_short_run_then_resume_matches_uninterrupted(tmp_path):
     ckpts = sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir())
     assert ckpts == ["step_000002", "step_000004"]  # keep_last: 2
 
+    # `gspo-megatron eval` on the last checkpoint reproduces the run's own held-out greedy accuracy
+    out = tmp_path / "eval.json"
+    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "eval", "--checkpoint",
+                           str(tmp_path / "full" / "checkpoints" / "step_000004"), "--dataset",
+                           str(REPO / "examples" / "data" / "sort" / "eval.jsonl"), "--num-prompts", "16",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evaluated = json.loads(out.read_text())
+    assert evaluated["num_prompts"] == 16 and 0.0 <= evaluated["eval_pass@4"] <= 1.0
+    assert evaluated["eval_accuracy"] == pytest.approx(full[-1]["eval_accuracy"])
+
     # SIGKILL once step 2's checkpoint exists, resume: exactly the uninterrupted run's metrics
     # (weights, Adam state, LR schedule, data position; randomness is a function of seed, step, rank)
     assert kill_after_checkpoint(tmp_path / "split", 2, "train.steps=4", *common) == -signal.SIGKILL
