@@ -136,6 +136,18 @@ def trl_settings(config) -> dict:
     }
 
 
+def describe_model(m) -> str:
+    return (f"{m.architecture}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads / "
+            f"{m.num_key_value_heads} KV heads (head {m.head_dim}), {m.num_experts} experts top-{m.moe_router_topk} "
+            f"(expert FFN {m.moe_ffn_hidden_size}), vocab {m.vocab_size}, fp32, the same random initial weights "
+            "on both sides")
+
+
+def batch_title(settings: dict) -> str:
+    return (f"{settings['prompts_per_step']} prompts x {settings['samples_per_prompt']} samples x <= "
+            f"{settings['max_new_tokens']} tokens, {settings['minibatches_per_step']} optimizer steps")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -197,7 +209,8 @@ def run_ours(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     launch = resolve_launch(os.environ)
     os.environ.update(export_for_torch(launch, os.environ))
-    config = load_config(CONFIG, OUR_OVERRIDES + [f"model.hf_dir={args.hf_dir}", "model.config=null"])
+    overrides = OUR_OVERRIDES + json.loads(args.overrides_json) + [f"model.hf_dir={args.hf_dir}", "model.config=null"]
+    config = load_config(CONFIG, overrides)
     parallel.init_process_group(launch.rank, launch.world_size, launch.master_addr, launch.master_port)
     trainer = Trainer(config, args.run_dir)
     # time the bare sampling inside the rollout phase (the rest is decode + rewards)
@@ -245,11 +258,11 @@ def summarize(ours: list[dict], trl: list[dict]) -> dict:
     return out
 
 
-def print_table(summary: dict) -> None:
+def print_table(summary: dict, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="one GSPO step, 16 prompts x 8 samples x <= 8 tokens, 4 optimizer steps (CPU, medians)")
+    table = Table(title=f"one GSPO step, {title} (CPU, medians; ratio > 1: ours faster)")
     for column in ("phase", "ours s", "TRL s", "TRL / ours (median)", "min", "max"):
         table.add_column(column)
     for phase in PHASES:
@@ -268,6 +281,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side first")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads on both sides (1: stable on a shared machine)")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra override of examples/cpu_demo.yaml (repeatable). The TRL side mirrors the "
+                             "loaded config, so model.config.*, rollout.*, train.prompts_per_step/"
+                             "minibatches_per_step, optimizer.* and loss clipping change both sides; "
+                             "trainer-only keys such as train.measure_routing_drift=false change ours only")
     parser.add_argument("--trl-venv", default=str(REPO / ".venv-trl"))
     parser.add_argument("--step-timeout-s", type=float, default=600.0)
     parser.add_argument("--keep-workdir", action="store_true", help="keep the temp folder (model, prompts, logs)")
@@ -276,6 +294,7 @@ def main() -> None:
     parser.add_argument("--ours-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hf-dir", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--overrides-json", default="[]", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ours_worker:
         run_ours(args)
@@ -288,7 +307,8 @@ def main() -> None:
     from gspo_megatron.trainer.config import load_config
 
     trl_python = ensure_trl_venv(Path(args.trl_venv), torch.__version__.split("+")[0])
-    config = load_config(CONFIG, OUR_OVERRIDES)
+    ours_overrides = OUR_OVERRIDES + args.override
+    config = load_config(CONFIG, ours_overrides)
     total = args.warmup + args.steps
     work = Path(tempfile.mkdtemp(prefix="bench-trl-"))
     hf_dir, prompts = work / "hf", work / "prompts.jsonl"
@@ -299,7 +319,8 @@ def main() -> None:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     ours = Worker("ours", [sys.executable, __file__, "--ours-worker", "--hf-dir", str(hf_dir),
-                           "--run-dir", str(work / "run"), "--threads", str(args.threads)], work / "ours.log", env)
+                           "--run-dir", str(work / "run"), "--threads", str(args.threads),
+                           "--overrides-json", json.dumps(args.override)], work / "ours.log", env)
     trl = Worker("trl", [str(trl_python), str(TRL_SIDE), "--hf-dir", str(hf_dir), "--prompts", str(prompts),
                          "--steps", str(total), "--threads", str(args.threads), "--settings", json.dumps(settings),
                          "--out-dir", str(work / "trl")], work / "trl.log", env)
@@ -316,13 +337,10 @@ def main() -> None:
     report = {
         "command": "python benchmarks/bench_trl.py " + " ".join(sys.argv[1:]),
         "setup": {
-            "model": "cpu_demo Qwen3-MoE: 2 layers, hidden 64, 4 heads / 2 KV heads (head 16), 4 experts top-2 "
-                     "(expert FFN 64), vocab 100, fp32, same random initial weights on both sides",
+            "model": describe_model(config.model.config),
             "task": "examples/data/sort/train.jsonl, same prompts in the same order on both sides",
-            "batch": f"{settings['prompts_per_step']} prompts x {settings['samples_per_prompt']} samples, "
-                     f"<= {settings['max_new_tokens']} new tokens, {settings['minibatches_per_step']} optimizer "
-                     "steps per rollout batch",
-            "ours": "gspo_megatron Trainer.train_step, examples/cpu_demo.yaml with " + " ".join(OUR_OVERRIDES),
+            "batch": batch_title(settings) + " per rollout batch",
+            "ours": "gspo_megatron Trainer.train_step, examples/cpu_demo.yaml with " + " ".join(ours_overrides),
             "trl": ready["trl"]["grpo_config"],
             "phases": __doc__.split("Phases (what each figure covers):\n")[1].split("\n\n")[0],
         },
@@ -341,7 +359,7 @@ def main() -> None:
         "summary": summary,
         "steps": results,
     }
-    print_table(summary)
+    print_table(summary, batch_title(settings))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

@@ -11,8 +11,9 @@ tensor at those offsets is what a single process would save, and Megatron loads 
 layout (DCP reads the overlap of each rank's request with the stored chunks).
 
 Writing goes through DCP's own ``FileSystemWriter`` with a planner whose ``resolve_data`` produces each
-chunk only when the writer reaches it, so one canonical tensor is in memory at a time. Reading plans
-every request against the stored chunks once, then reads in bounded batches.
+chunk only when the writer reaches it, a bounded prefetch ahead. Reading plans every request against
+the stored chunks once with DCP's resharding helper, then loads the records (``torch.load`` of each
+file range, as DCP's ``FileSystemReader`` does) in bounded batches.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import contextlib
 import dataclasses
 import io
 import math
+import os
 import sys
+import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -33,8 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePlan, SavePlanner, TensorWriteData,
-                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from gspo_megatron.conversion.errors import ConversionError, name_list
@@ -306,35 +308,39 @@ class Request:
     dtype: torch.dtype
 
 
-class _BufferLoadPlanner(LoadPlanner):
-    """A DCP LoadPlanner that copies each read into a preallocated buffer (one per request)."""
+class _FileSlice(io.RawIOBase):
+    """A read-only window [offset, offset + length) of an open file, with positioned reads (no shared
+    file position, so threads may read one file). What torch.load reads one DCP record through."""
 
-    def __init__(self, buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor]):
-        self._buffers = buffers
+    def __init__(self, fd: int, offset: int, length: int):
+        super().__init__()
+        self._fd, self._start, self._length, self._pos = fd, offset, length, 0
 
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        pass
+    def readable(self) -> bool:
+        return True
 
-    def create_local_plan(self):
-        raise NotImplementedError("reads are planned by CheckpointReader")
+    def seekable(self) -> bool:
+        return True
 
-    def create_global_plan(self, global_plan):
-        return global_plan
+    def tell(self) -> int:
+        return self._pos
 
-    def finish_plan(self, central_plan):
-        return central_plan
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, min(self._length, base + offset))
+        return self._pos
 
-    def load_bytes(self, read_item, value) -> None:
-        raise ConversionError(f"{read_item.dest_index.fqn}: unexpected byte object in a tensor read")
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")[:max(0, self._length - self._pos)]
+        n = os.preadv(self._fd, [view], self._start + self._pos) if len(view) else 0
+        self._pos += n
+        return n
 
-    def resolve_tensor(self, read_item) -> torch.Tensor:
-        target = self._buffers[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
-        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            target = target.narrow(dim, start, length)
-        return target
 
-    def commit_tensor(self, read_item, tensor) -> None:
-        pass
+def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
 
 
 class CheckpointReader:
@@ -349,6 +355,8 @@ class CheckpointReader:
         self.metadata = self._reader.read_metadata()
         self._reader.set_up_storage_reader(self.metadata, True)
         self._by_lead: dict[str, dict | None] = {}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def tensor_keys(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     
@@ -394,11 +402,47 @@ class CheckpointReader:
         return info.relative_path, info.offset
 
     def read(self, requests: list[Request], items: dict[str, list]) -> dict[str, torch.Tensor]:
-        """The canonical tensors of ``requests`` (read items from ``plan``), read in one pass."""
-        buffers = {(r.key, r.offsets): torch.empty(r.sizes, dtype=r.dtype) for r in requests}
-        plan = LoadPlan([item for r in requests for item in items[r.name]])
-        self._reader.read_data(plan, _BufferLoadPlanner(buffers)).wait()
-        return {r.name: buffers[(r.key, r.offsets)].reshape(r.shape) for r in requests}
+        """The canonical tensors of ``requests`` (read items from ``plan``), each file read front to back.
+
+        DCP stores every chunk as a torch.save record; a record that is a whole request (a converted
+        checkpoint's chunks are) is used as loaded, without the copy into a buffer that DCP's own
+        FileSystemReader makes; pieces (e.g. TP slices saved by training) are copied into place.
+        """
+        out: dict[str, torch.Tensor] = {}
+        reads = sorted(((r, item) for r in requests for item in items[r.name]),
+                       key=lambda pair: self.location(pair[1]))
+        for request, item in reads:
+            info = self._reader.storage_data[item.storage_index]
+            if info.transform_descriptors:
+                raise ConversionError(f"{self.directory}: {request.key}: stored with stream transforms "
+                                      f"{info.transform_descriptors}, which this reader does not apply")
+            fd = self._fd(info.relative_path)
+            stored = torch.load(_FileSlice(fd, info.offset, info.length), map_location="cpu", weights_only=True)
+            piece = _narrow(stored, item.storage_offsets, item.lengths)
+            if len(items[request.name]) == 1 and tuple(piece.shape) == request.sizes and piece.dtype == request.dtype:
+                out[request.name] = piece.reshape(request.shape)
+                continue
+            if request.name not in out:
+                out[request.name] = torch.empty(request.sizes, dtype=request.dtype)
+            _narrow(out[request.name], item.dest_offsets, item.lengths).copy_(piece)
+        return {r.name: out[r.name].reshape(r.shape) for r in requests}
+
+    def _fd(self, relative_path: str) -> int:
+        with self._lock:  # the read-ahead thread and the caller may both ask
+            if relative_path not in self._fds:
+                self._fds[relative_path] = os.open(self.directory / relative_path, os.O_RDONLY)
+            return self._fds[relative_path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def requests_for(layout: CheckpointLayout, reader: CheckpointReader, vocab_size: int) -> list[Request]:

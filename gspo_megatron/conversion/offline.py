@@ -282,43 +282,49 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, hf_template: s
 def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_shard_bytes: int | None,
                     dtype: torch.dtype | None, overwrite: bool, progress: bool, read_batch_bytes: int) -> Path:
     config, template = export_config(megatron_dir, template)
-    check_output(out, overwrite, (megatron_dir,) + ((template,) if template else ()))
+    inputs = (megatron_dir,) + ((template,) if template else ())
+    check_output(out, overwrite, inputs)
     entries = expand(config)
-    reader = dcp_io.CheckpointReader(megatron_dir)
     with dcp_io.single_process_megatron():
         layout = dcp_io.checkpoint_layout(config)
     _check_table_matches_model(entries, layout, config)
-    requests = {r.name: r for r in dcp_io.requests_for(layout, reader, config.vocab_size)}
-    items = reader.plan(list(requests.values()))
-    by_name = {e.megatron: e for e in entries}
-    specs = [s for e in entries for s in _hf_specs(e, layout.chunks[e.megatron], dtype or requests[e.megatron].dtype)]
-    template_index = None
-    if max_shard_bytes is None and template is not None and (template / INDEX_NAME).is_file():
-        template_index = json.loads((template / INDEX_NAME).read_text())
-    plan = plan_shards(specs, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, template_index)
-    file_of = {s.name: file for file, group in plan.files.items() for s in group}
-    # read the checkpoint's data files front to back
-    order = sorted(requests.values(), key=lambda r: reader.location(items[r.name][0]))
-    with atomic_output(out, overwrite, (megatron_dir,) + ((template,) if template else ())) as tmp:
-        with contextlib.ExitStack() as stack:
-            writers = {file: stack.enter_context(_closing(SafetensorsWriter(tmp / file, group)))
-                       for file, group in plan.files.items()}
-            bar = stack.enter_context(progress_bar(sum(s.nbytes for s in specs), "megatron -> hf", progress))
-            for batch, tensors in _read_ahead(reader, list(_batches(order, read_batch_bytes)), items):
-                for request in batch:
-                    entry = by_name[request.name]
-                    for name, tensor in zip(entry.hf, entry.transform.to_hf(tensors.pop(request.name))):
-                        tensor = tensor.to(dtype) if dtype is not None else tensor
-                        writer = writers[file_of[name]]
-                        writer.write(name, tensor)
-                        if writer.complete:
-                            writer.close()  # fsync now, while the next batch is being read
-                        bar.update(tensor.numel() * tensor.element_size())
-        if plan.index is not None:
-            write_index(tmp, plan.index)
-        stored_dtype = next(iter(requests.values())).dtype
-        _write_hf_config(template, config, tmp, dtype, stored_dtype)
+    with dcp_io.CheckpointReader(megatron_dir) as reader:
+        requests = {r.name: r for r in dcp_io.requests_for(layout, reader, config.vocab_size)}
+        items = reader.plan(list(requests.values()))
+        specs = [s for e in entries for s in _hf_specs(e, layout.chunks[e.megatron], dtype or requests[e.megatron].dtype)]
+        template_index = None
+        if max_shard_bytes is None and template is not None and (template / INDEX_NAME).is_file():
+            template_index = json.loads((template / INDEX_NAME).read_text())
+        plan = plan_shards(specs, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, template_index)
+        # read the checkpoint's data files front to back
+        order = sorted(requests.values(), key=lambda r: reader.location(items[r.name][0]))
+        with atomic_output(out, overwrite, inputs) as tmp:
+            with progress_bar(sum(s.nbytes for s in specs), "megatron -> hf", progress) as bar:
+                _write_shards(tmp, plan, entries, _read_ahead(reader, list(_batches(order, read_batch_bytes)), items),
+                              dtype, bar.update)
+            if plan.index is not None:
+                write_index(tmp, plan.index)
+            _write_hf_config(template, config, tmp, dtype, next(iter(requests.values())).dtype)
     return out
+
+
+def _write_shards(directory: Path, plan, entries: list[Entry], batches, dtype: torch.dtype | None, on_write) -> None:
+    """Split each canonical tensor into its HF tensors and write them into the planned shards."""
+    by_name = {e.megatron: e for e in entries}
+    file_of = {s.name: file for file, group in plan.files.items() for s in group}
+    with contextlib.ExitStack() as stack:
+        writers = {file: stack.enter_context(_closing(SafetensorsWriter(directory / file, group)))
+                   for file, group in plan.files.items()}
+        for batch, tensors in batches:
+            for request in batch:
+                entry = by_name[request.name]
+                for name, tensor in zip(entry.hf, entry.transform.to_hf(tensors.pop(request.name))):
+                    tensor = tensor.to(dtype) if dtype is not None else tensor
+                    writer = writers[file_of[name]]
+                    writer.write(name, tensor)
+                    if writer.complete:
+                        writer.close()  # fsync now, while the next batch is being read
+                    on_write(tensor.numel() * tensor.element_size())
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ replica); ``launch`` starts ``python -m sglang.launch_server`` processes on this
 (restarts them when they die, stops them on shutdown). Exactly one of the two is set.
 
 Flag names and defaults follow SGLang's ``docs/advanced_features/server_arguments.md`` and
-``docs/advanced_features/sglang_for_rl.md`` (read in the search index, see docs/rollout-sglang.md).
+``docs/advanced_features/sglang_for_rl.md`` (read in the search index, see docs/rollout.md).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Nothing here does I/O, so every function is unit-tested against payload shapes taken from SGLang's
 sources and docs. Where a shape comes from is cited next to the code that builds or reads it; the
-file versions read are listed in docs/rollout-sglang.md ("Sources read").
+file versions read are listed in docs/rollout.md ("Sources read").
 """
 from __future__ import annotations
 

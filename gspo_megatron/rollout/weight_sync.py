@@ -11,7 +11,7 @@ from gspo_megatron.conversion.export import export_hf_tensors
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.rollout.base import RolloutEngine
 
-DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024  # fastest on CPU (benchmarks/bench_weight_sync.py); SGLang re-buckets itself
 
 
 def sync_weights(model, model_config: ModelConfig, engine: RolloutEngine,

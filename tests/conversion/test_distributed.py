@@ -66,8 +66,8 @@ def test_checkpoint_saved_by_megatron_at_tp2_converts_back_to_the_same_tensors(r
     folders, resaved, _ = runs
     hf = folders["qwen3_moe"][0]
     # the saved checkpoint is really split the TP=2 way (not our one-chunk-per-tensor layout)
-    reader = dcp_io.CheckpointReader(resaved)
-    chunks = reader.metadata.state_dict_metadata["model.decoder.layers.self_attention.linear_qkv.weight"].chunks
+    with dcp_io.CheckpointReader(resaved) as reader:
+        chunks = reader.metadata.state_dict_metadata["model.decoder.layers.self_attention.linear_qkv.weight"].chunks
     assert len(chunks) == 4 and {tuple(c.sizes) for c in chunks} == {(1, 64, 64)}
     back = offline.megatron_to_hf(resaved, tmp_path / "back", hf_template=hf, progress=False)
     ours, theirs = read_all(back), read_all(hf)

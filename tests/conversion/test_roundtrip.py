@@ -50,17 +50,17 @@ def test_megatron_checkpoint_holds_fused_tensors_under_megatrons_keys(converted)
     assert json.loads((meg / offline.MODEL_CONFIG_NAME).read_text()) == config.__dict__
     assert checkpoint.read_meta(meg)["model_config"] == config.__dict__
     assert (meg / "hf" / "model.safetensors.index.json").is_file()  # kept for the way back
-    reader = dcp_io.CheckpointReader(meg)
-    keys = reader.tensor_keys()
-    assert keys["model.decoder.layers.self_attention.linear_qkv.weight"][0] == (2, 128, 64)
-    assert keys["model.decoder.layers.mlp.experts.experts.linear_fc1.weight"][0] == (2, 4, 64, 64)
     hf_tensors = read_all(hf)
     with dcp_io.single_process_megatron():
         layout = dcp_io.checkpoint_layout(config)
-    requests = dcp_io.requests_for(layout, reader, config.vocab_size)
-    wanted = [r for r in requests if r.name in ("decoder.layers.1.self_attention.linear_qkv.weight",
-                                                "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight")]
-    tensors = reader.read(wanted, reader.plan(wanted))
+    with dcp_io.CheckpointReader(meg) as reader:
+        keys = reader.tensor_keys()
+        assert keys["model.decoder.layers.self_attention.linear_qkv.weight"][0] == (2, 128, 64)
+        assert keys["model.decoder.layers.mlp.experts.experts.linear_fc1.weight"][0] == (2, 4, 64, 64)
+        requests = dcp_io.requests_for(layout, reader, config.vocab_size)
+        wanted = [r for r in requests if r.name in ("decoder.layers.1.self_attention.linear_qkv.weight",
+                                                    "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight")]
+        tensors = reader.read(wanted, reader.plan(wanted))
     p = "model.layers.1."
     qkv = FusedQKV(4, 2, 16).to_megatron([hf_tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
     fc1 = FusedGateUp().to_megatron([hf_tensors[p + f"mlp.experts.2.{x}_proj.weight"] for x in ("gate", "up")])
@@ -98,7 +98,8 @@ def test_max_shard_bytes_and_dtype_on_export(converted, tmp_path):
 def test_bf16_checkpoint_round_trips_in_bf16(tmp_path):
     hf = make_hf_dir("qwen3_moe", tmp_path / "hf", dtype=torch.bfloat16)
     meg = offline.hf_to_megatron(hf, tmp_path / "meg", progress=False)
-    assert dcp_io.CheckpointReader(meg).tensor_keys()["model.embedding.word_embeddings.weight"][1] == torch.bfloat16
+    with dcp_io.CheckpointReader(meg) as reader:
+        assert reader.tensor_keys()["model.embedding.word_embeddings.weight"][1] == torch.bfloat16
     back = offline.megatron_to_hf(meg, tmp_path / "back", progress=False)
     assert (back / "model.safetensors").read_bytes() == (hf / "model.safetensors").read_bytes()
 

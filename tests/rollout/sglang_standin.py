@@ -2,7 +2,7 @@
 
 It answers the native endpoints the SGLang engine uses (/health, /server_info, /generate,
 /update_weights_from_*, /init_weights_update_group, /release_memory_occupation, ...) with the request
-and response shapes SGLang documents (see docs/rollout-sglang.md), generates fake tokens from a seeded
+and response shapes SGLang documents (see docs/rollout.md), generates fake tokens from a seeded
 RNG (no model), checks request fields the way SGLang's io_struct / sampling_params do, records every
 request for assertions, and can inject faults: 503 answers, dropped connections, a crash mid-request.
 
