@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -69,8 +70,7 @@ def call(path: str, logits, targets, with_entropy: bool, *, chunk_tokens: int, v
 
 
 def forward_backward(logits, run, w_logp, w_h):
-    """One measured unit: forward, the weighted objective, backward into a fresh ``logits.grad``."""
-    logits.grad = None
+    """One measured unit: forward, the weighted objective, backward into ``logits.grad`` (None before)."""
     logp, entropy = run()
     objective = (logp * w_logp).sum()
     if entropy is not None:
@@ -89,6 +89,12 @@ def profiler_peak_bytes(fn) -> int:
     for e in events:
         current += e.nbytes()
         peak = max(peak, current)
+        # The profiler sizes a free by a pointer table that outlives a session; a block allocated outside
+        # this session at a reused address would be subtracted with a stale size. measure() frees nothing
+        # made outside, so a negative sum means the count is wrong.
+        if current < 0:
+            raise RuntimeError(f"profiler memory count went negative ({current} bytes): a block allocated "
+                               "before profiling was freed inside it")
     return peak
 
 
@@ -99,11 +105,16 @@ def dispatch_peak_bytes(fn) -> int:
 
 
 def measure(logits, run, w_logp, w_h) -> dict:
-    """Peaks (both counters, fwd+bwd; no-grad forward) and the outputs for the agreement check."""
+    """Peaks (both counters, fwd+bwd; no-grad forward) and the outputs for the agreement check. The
+    previous gradient is dropped before each count, so nothing made outside a count is freed inside it."""
     step = lambda: forward_backward(logits, run, w_logp, w_h)  # noqa: E731
+    logits.grad = None
     logp, entropy = step()
     sample = logits.grad[::GRAD_ROW_STRIDE].clone()
-    out = {"peak_bytes": dispatch_peak_bytes(step), "peak_bytes_profiler": profiler_peak_bytes(step)}
+    out = {}
+    for key, count in (("peak_bytes", dispatch_peak_bytes), ("peak_bytes_profiler", profiler_peak_bytes)):
+        logits.grad = None
+        out[key] = count(step)
     logits.grad = None
     with torch.no_grad():
         out["nograd_forward_peak_bytes"] = dispatch_peak_bytes(run)
@@ -111,10 +122,14 @@ def measure(logits, run, w_logp, w_h) -> dict:
     return out
 
 
-def timed_ms(step) -> float:
-    start = time.perf_counter()
-    step()
-    return 1e3 * (time.perf_counter() - start)
+def timed_ms(logits, run, w_logp, w_h) -> tuple[float, float]:
+    """(wall, kernel CPU) milliseconds of one forward + backward; the previous gradient is freed before the
+    clock starts. Kernel time is mostly page faults of freshly mapped large temporaries (CPU allocator)."""
+    logits.grad = None
+    start, kernel = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_stime
+    forward_backward(logits, run, w_logp, w_h)
+    return (1e3 * (time.perf_counter() - start),
+            1e3 * (resource.getrusage(resource.RUSAGE_SELF).ru_stime - kernel))
 
 
 def tp2_worker(rank, world_size, tokens, vocab, chunk_tokens, repeats, threads):
@@ -133,9 +148,10 @@ def tp2_worker(rank, world_size, tokens, vocab, chunk_tokens, repeats, threads):
                         tp_group=dist.group.WORLD, vocab_start=rank * v_local)
 
         row = measure(logits, run, w_logp, w_h)
-        forward_backward(logits, run, w_logp, w_h)  # warm-up
-        row["fwd_bwd_ms"] = statistics.median(timed_ms(lambda: forward_backward(logits, run, w_logp, w_h))
-                                              for _ in range(repeats))
+        timed_ms(logits, run, w_logp, w_h)  # warm-up
+        times = [timed_ms(logits, run, w_logp, w_h) for _ in range(repeats)]
+        row["fwd_bwd_ms"] = statistics.median(t[0] for t in times)
+        row["fwd_bwd_kernel_ms"] = statistics.median(t[1] for t in times)
         out[with_entropy] = row
     return out
 
@@ -158,12 +174,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=32768, help="must be even (split over two TP ranks)")
-    parser.add_argument("--chunk-tokens", type=int, default=1024, help="vocab_parallel_logprobs chunk_tokens")
+    parser.add_argument("--chunk-tokens", default="1024,128",
+                        help="vocab_parallel_logprobs chunk_tokens, comma-separated; the first is used at TP=2 "
+                             "and in the ratios (1024 is the trainer's logprob_chunk_tokens)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
     args = parser.parse_args()
     if args.vocab % 2:
         parser.error(f"--vocab must be even for TP=2, got {args.vocab}")
+    chunks = [int(c) for c in args.chunk_tokens.split(",")]
+    if not chunks or min(chunks) < 1:
+        parser.error(f"--chunk-tokens must be positive integers, got {args.chunk_tokens!r}")
     torch.set_num_threads(args.threads)
     unit = 4 * args.tokens * args.vocab  # one [N, V] float32 tensor
 
@@ -171,34 +192,35 @@ def main() -> None:
     logits.requires_grad_(True)
     rows, checks, references = [], {}, {}
     with Progress(transient=True) as progress:
-        task = progress.add_task("log-probs", total=2 * (2 + args.repeats + 1) + 1)
+        sides = [("vocab_parallel", c) for c in chunks] + [("naive", None)]
+        task = progress.add_task("log-probs", total=2 * (len(sides) + args.repeats + 1) + 1)
         for with_entropy in (False, True):
-            runs = {path: (lambda p=path: call(p, logits, targets, with_entropy, chunk_tokens=args.chunk_tokens,
-                                               vocab=args.vocab)) for path in ("vocab_parallel", "naive")}
+            runs = {(path, chunk): (lambda p=path, c=chunk: call(p, logits, targets, with_entropy, chunk_tokens=c,
+                                                                 vocab=args.vocab)) for path, chunk in sides}
             measured = {}
-            for path, run in runs.items():
-                progress.update(task, description=f"memory {path} entropy={with_entropy}")
-                measured[path] = measure(logits, run, w_logp, w_h)
+            for side, run in runs.items():
+                progress.update(task, description=f"memory {side} entropy={with_entropy}")
+                measured[side] = measure(logits, run, w_logp, w_h)
                 progress.advance(task)
-            times = {path: [] for path in runs}
+            times = {side: [] for side in runs}
             for i in range(args.repeats + 1):  # the first round is the warm-up
                 progress.update(task, description=f"time entropy={with_entropy}")
-                for path, run in runs.items():
-                    t = timed_ms(lambda: forward_backward(logits, run, w_logp, w_h))
+                for side, run in runs.items():
+                    t = timed_ms(logits, run, w_logp, w_h)
                     if i:
-                        times[path].append(t)
+                        times[side].append(t)
                 progress.advance(task)
-            reference = measured["naive"]["outputs"]
-            for path, m in measured.items():
-                checks[f"{path}_tp1_entropy={with_entropy}"] = agreement(m.pop("outputs"), reference)
-                rows.append({"path": path, "tp": 1, "with_entropy": with_entropy,
-                             "chunk_tokens": args.chunk_tokens if path == "vocab_parallel" else None,
-                             "fwd_bwd_ms": statistics.median(times[path]), **m})
+            reference = measured["naive", None]["outputs"]
+            for (path, chunk), m in measured.items():
+                checks[f"{path}_tp1_chunk={chunk}_entropy={with_entropy}"] = agreement(m.pop("outputs"), reference)
+                rows.append({"path": path, "tp": 1, "with_entropy": with_entropy, "chunk_tokens": chunk,
+                             "fwd_bwd_ms": statistics.median(t[0] for t in times[path, chunk]),
+                             "fwd_bwd_kernel_ms": statistics.median(t[1] for t in times[path, chunk]), **m})
             references[with_entropy] = reference
         logits.grad = None
         del logits
         progress.update(task, description="vocab_parallel at TP=2 (two gloo ranks)")
-        tp2 = run_distributed(tp2_worker, 2, (args.tokens, args.vocab, args.chunk_tokens, args.repeats, args.threads))
+        tp2 = run_distributed(tp2_worker, 2, (args.tokens, args.vocab, chunks[0], args.repeats, args.threads))
         progress.advance(task)
 
     v_local = args.vocab // 2
@@ -206,12 +228,12 @@ def main() -> None:
         reference = references[with_entropy]
         per_rank = [tp2[r][with_entropy] for r in range(2)]
         for r, m in enumerate(per_rank):
-            checks[f"vocab_parallel_tp2_rank{r}_entropy={with_entropy}"] = agreement(
+            checks[f"vocab_parallel_tp2_rank{r}_chunk={chunks[0]}_entropy={with_entropy}"] = agreement(
                 m.pop("outputs"), reference, slice(r * v_local, (r + 1) * v_local))
-        rows.append({"path": "vocab_parallel", "tp": 2, "with_entropy": with_entropy, "chunk_tokens": args.chunk_tokens,
-                     "fwd_bwd_ms": max(m["fwd_bwd_ms"] for m in per_rank),
+        rows.append({"path": "vocab_parallel", "tp": 2, "with_entropy": with_entropy, "chunk_tokens": chunks[0],
                      **{key: max(m[key] for m in per_rank)
-                        for key in ("peak_bytes", "peak_bytes_profiler", "nograd_forward_peak_bytes")}})
+                        for key in ("fwd_bwd_ms", "fwd_bwd_kernel_ms", "peak_bytes", "peak_bytes_profiler",
+                                    "nograd_forward_peak_bytes")}})
     for row in rows:
         grad_bytes = 4 * args.tokens * args.vocab // row["tp"]
         row["peak_units"] = row["peak_bytes"] / unit
@@ -219,13 +241,14 @@ def main() -> None:
         row["nograd_forward_peak_units"] = row["nograd_forward_peak_bytes"] / unit
         row["counters_agree"] = abs(row["peak_bytes"] - row["peak_bytes_profiler"]) <= 0.01 * row["peak_bytes"]
 
-    def find(path, tp, with_entropy):
-        return next(r for r in rows if (r["path"], r["tp"], r["with_entropy"]) == (path, tp, with_entropy))
+    def find(path, tp, with_entropy, chunk=None):
+        return next(r for r in rows
+                    if (r["path"], r["tp"], r["with_entropy"], r["chunk_tokens"]) == (path, tp, with_entropy, chunk))
 
     ratios = {}
     for with_entropy in (False, True):
-        naive, ours, ours2 = (find("naive", 1, with_entropy), find("vocab_parallel", 1, with_entropy),
-                              find("vocab_parallel", 2, with_entropy))
+        naive, ours, ours2 = (find("naive", 1, with_entropy), find("vocab_parallel", 1, with_entropy, chunks[0]),
+                              find("vocab_parallel", 2, with_entropy, chunks[0]))
         ratios[f"entropy={with_entropy}"] = {
             "naive_over_ours_peak": naive["peak_bytes"] / ours["peak_bytes"],
             "naive_over_ours_peak_beyond_grad": naive["peak_beyond_grad_units"] / ours["peak_beyond_grad_units"],
@@ -239,7 +262,7 @@ def main() -> None:
 
     result = {
         "command": "python benchmarks/bench_logprobs.py " + " ".join(sys.argv[1:]),
-        "tokens": args.tokens, "vocab": args.vocab, "dtype": "float32", "chunk_tokens": args.chunk_tokens,
+        "tokens": args.tokens, "vocab": args.vocab, "dtype": "float32", "chunk_tokens": chunks,
         "repeats": args.repeats, "threads_per_process": args.threads, "torch": torch.__version__, "device": "cpu",
         "memory_unit": f"one [tokens, vocab] float32 tensor = {unit} bytes; peaks exclude the logits and include "
                        "the logits gradient (1/tp unit per rank)",
@@ -256,11 +279,12 @@ def main() -> None:
     gib = 2 ** 30
     table = Table(title=f"log-probs forward+backward, {args.tokens} tokens x {args.vocab} vocabulary, float32, "
                         f"{args.threads} thread(s) per process; peaks per rank, logits excluded")
-    for column in ("path", "TP", "entropy", "fwd+bwd ms", "peak GiB", "peak [N,V] units", "beyond grad",
-                   "no-grad fwd GiB", "counters agree"):
+    for column in ("path", "chunk", "TP", "entropy", "fwd+bwd ms", "of it kernel", "peak GiB", "peak [N,V] units",
+                   "beyond grad", "no-grad fwd GiB", "counters agree"):
         table.add_column(column)
     for r in rows:
-        table.add_row(r["path"], str(r["tp"]), str(r["with_entropy"]), f"{r['fwd_bwd_ms']:.0f}",
+        table.add_row(r["path"], str(r["chunk_tokens"] or "-"), str(r["tp"]), str(r["with_entropy"]),
+                      f"{r['fwd_bwd_ms']:.0f}", f"{r['fwd_bwd_kernel_ms']:.0f}",
                       f"{r['peak_bytes'] / gib:.3f}", f"{r['peak_units']:.3f}", f"{r['peak_beyond_grad_units']:.3f}",
                       f"{r['nograd_forward_peak_bytes'] / gib:.3f}", str(r["counters_agree"]))
     console = Console(width=160)

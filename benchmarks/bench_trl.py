@@ -32,13 +32,14 @@ import argparse
 import json
 import os
 import platform
-import select
+import queue
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -160,28 +161,37 @@ def emit(message: dict) -> None:
 
 
 class Worker:
-    """A side's process: send ``step`` / ``stop`` on stdin, read one marker line of JSON per step."""
+    """A side's process: send ``step`` / ``stop`` on stdin, read one marker line of JSON per step. A
+    thread drains its stdout (the libraries' chatter goes to ``<log>.stdout``, stderr to ``<log>``)."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]):
         self.name = name
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, bufsize=1, env=env, cwd=REPO)
         self.log_path = log_path
+        self.stderr = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                     text=True, bufsize=1, env=env, cwd=REPO)
+        self.messages: queue.Queue[dict | None] = queue.Queue()
+        self.reader = threading.Thread(target=self._drain, args=(log_path.with_name(log_path.name + ".stdout"),),
+                                       daemon=True)
+        self.reader.start()
+
+    def _drain(self, chatter_path: Path) -> None:
+        with open(chatter_path, "w") as chatter:
+            for line in self.proc.stdout:
+                if line.startswith(MARKER):
+                    self.messages.put(json.loads(line[len(MARKER):]))
+                else:
+                    chatter.write(line)
+        self.messages.put(None)  # end of output: the process is exiting
 
     def read(self, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
-            if not ready:
-                raise TimeoutError(f"{self.name}: no answer within {timeout_s:.0f} s (log: {self.log_path})")
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{self.name}: exited with {self.proc.wait()} (log: {self.log_path})")
-            if line.startswith(MARKER):
-                return json.loads(line[len(MARKER):])
-            self.log.write(line)
+        try:
+            message = self.messages.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"{self.name}: no answer within {timeout_s:.0f} s (log: {self.log_path})") from None
+        if message is None:
+            raise RuntimeError(f"{self.name}: exited with {self.proc.wait()} (log: {self.log_path})")
+        return message
 
     def step(self, timeout_s: float) -> dict:
         self.proc.stdin.write("step\n")
@@ -193,7 +203,8 @@ class Worker:
         self.proc.stdin.flush()
         self.read(timeout_s)  # the final acknowledgement
         self.proc.wait(timeout=timeout_s)
-        self.log.close()
+        self.reader.join(timeout_s)
+        self.stderr.close()
 
 
 # ---- our side ----------------------------------------------------------------------------------
@@ -237,7 +248,7 @@ def run_ours(args: argparse.Namespace) -> None:
               "logprobs": metrics["time_logprobs_s"], "update": metrics["time_update_s"],
               "sync": metrics["time_sync_s"], "step": metrics["time_step_s"], "wall": wall,
               "reward_mean": metrics["reward_mean"], "response_length_mean": metrics["response_length_mean"],
-              "clip_frac_seq": metrics.get("clip_frac_seq", float("nan"))})
+              "clip_frac_seq": metrics["clip_frac_seq"]})
     trainer.close()
     parallel.destroy()
     emit({"stopped": True})
@@ -307,6 +318,7 @@ def main() -> None:
     from gspo_megatron.trainer.config import load_config
 
     trl_python = ensure_trl_venv(Path(args.trl_venv), torch.__version__.split("+")[0])
+    loadavg_at_start = list(os.getloadavg())
     ours_overrides = OUR_OVERRIDES + args.override
     config = load_config(CONFIG, ours_overrides)
     total = args.warmup + args.steps
@@ -352,6 +364,7 @@ def main() -> None:
             "trl_venv": {**package_versions(trl_python, ("trl", "torch", "transformers", "accelerate")),
                          "torch_threads": ready["trl"]["torch_threads"]},
             "cpu_count": os.cpu_count(),
+            "loadavg_at_start": loadavg_at_start,
             "loadavg_at_end": list(os.getloadavg()),
         },
         "warmup_steps": args.warmup,

@@ -188,7 +188,8 @@ def main() -> None:
     for i, row in enumerate(rows):
         ids = tokenizer(text=row["prompt"])["input_ids"]  # as GRPOTrainer tokenizes a plain-text prompt
         if ids != row["prompt_ids"]:
-            raise ValueError(f"{args.prompts}:{i + 1}: TRL would tokenize the prompt as {ids}, ours as {row['prompt_ids']}")
+            raise ValueError(f"{args.prompts}:{i + 1}: TRL would tokenize the prompt as {ids}, "
+                             f"ours as {row['prompt_ids']}")
     dataset = Dataset.from_list([{k: row[k] for k in ("prompt", "answer", "meta")} for row in rows])
     model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32, local_files_only=True)
     config = grpo_config(settings, args.steps, args.threads, args.out_dir)
@@ -202,7 +203,7 @@ def main() -> None:
         "generation_batch_size", "num_iterations", "max_completion_length", "importance_sampling_level",
         "loss_type", "beta", "epsilon", "epsilon_high", "scale_rewards", "learning_rate", "lr_scheduler_type",
         "max_grad_norm", "use_vllm", "use_cpu", "bf16", "gradient_checkpointing", "temperature", "top_p", "top_k")}
-    described["optim"] = str(config.optim)
+    described["optim"] = config.optim.value  # an OptimizerNames enum after __post_init__
     emit({"ready": True, "torch_threads": torch.get_num_threads(), "grpo_config": described})
     if wait_for_command() != "step":
         return

@@ -23,7 +23,6 @@ import io
 import math
 import os
 import sys
-import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -309,8 +308,8 @@ class Request:
 
 
 class _FileSlice(io.RawIOBase):
-    """A read-only window [offset, offset + length) of an open file, with positioned reads (no shared
-    file position, so threads may read one file). What torch.load reads one DCP record through."""
+    """A read-only window [offset, offset + length) of an open file (positioned reads, no shared file
+    position): what torch.load reads one DCP record through."""
 
     def __init__(self, fd: int, offset: int, length: int):
         super().__init__()
@@ -356,7 +355,6 @@ class CheckpointReader:
         self._reader.set_up_storage_reader(self.metadata, True)
         self._by_lead: dict[str, dict | None] = {}
         self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
 
     def tensor_keys(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     
@@ -428,10 +426,9 @@ class CheckpointReader:
         return {r.name: out[r.name].reshape(r.shape) for r in requests}
 
     def _fd(self, relative_path: str) -> int:
-        with self._lock:  # the read-ahead thread and the caller may both ask
-            if relative_path not in self._fds:
-                self._fds[relative_path] = os.open(self.directory / relative_path, os.O_RDONLY)
-            return self._fds[relative_path]
+        if relative_path not in self._fds:
+            self._fds[relative_path] = os.open(self.directory / relative_path, os.O_RDONLY)
+        return self._fds[relative_path]
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -1,12 +1,15 @@
 """Offline conversion: a Hugging Face folder <-> a Megatron torch_dist checkpoint, streaming both ways.
 
-``hf_to_megatron`` reads each table entry's HF tensors when DCP's writer reaches that chunk and writes
-one layout-free checkpoint (what a single process would save): Megatron loads it at any TP/PP/EP that
-divides the model, so the ``--tp/--pp/--ep`` flags only validate divisibility, in one process.
+``hf_to_megatron`` writes one layout-free checkpoint (what a single process would save): Megatron loads
+it at any TP/PP/EP that divides the model, so the ``--tp/--pp/--ep`` flags only validate divisibility.
+Each table entry's HF tensors are read and fused when DCP's writer reaches that chunk, by a background
+thread at most 64 MiB ahead of it.
 ``megatron_to_hf`` reads any torch_dist checkpoint of the model (converted, or saved by training at any
-layout), in batches of bounded size, and writes size-capped safetensors shards whose headers are planned
-up front. Memory stays near one batch plus one tensor; outputs appear under their final name only when
-complete (temporary sibling folder, renamed at the end).
+layout) in 64 MiB batches and writes size-capped safetensors shards whose headers are planned up front.
+(A read-ahead thread for this direction was tried and dropped: torch.load's unpickling holds the GIL,
+and it measured no faster.)
+Memory stays near 64 MiB plus one tensor; outputs appear under their final name only when complete
+(temporary sibling folder, renamed at the end).
 """
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ import json
 import os
 import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -300,8 +302,8 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
         order = sorted(requests.values(), key=lambda r: reader.location(items[r.name][0]))
         with atomic_output(out, overwrite, inputs) as tmp:
             with progress_bar(sum(s.nbytes for s in specs), "megatron -> hf", progress) as bar:
-                _write_shards(tmp, plan, entries, _read_ahead(reader, list(_batches(order, read_batch_bytes)), items),
-                              dtype, bar.update)
+                batches = ((batch, reader.read(batch, items)) for batch in _batches(order, read_batch_bytes))
+                _write_shards(tmp, plan, entries, batches, dtype, bar.update)
             if plan.index is not None:
                 write_index(tmp, plan.index)
             _write_hf_config(template, config, tmp, dtype, next(iter(requests.values())).dtype)
@@ -323,7 +325,7 @@ def _write_shards(directory: Path, plan, entries: list[Entry], batches, dtype: t
                     writer = writers[file_of[name]]
                     writer.write(name, tensor)
                     if writer.complete:
-                        writer.close()  # fsync now, while the next batch is being read
+                        writer.close()  # checked and fsynced as soon as it is whole
                     on_write(tensor.numel() * tensor.element_size())
 
 
@@ -338,18 +340,6 @@ def _closing(writer: SafetensorsWriter) -> Iterator[SafetensorsWriter]:
         raise
     if not writer.closed:
         writer.close()
-
-
-def _read_ahead(reader: dcp_io.CheckpointReader, batches: list[list[dcp_io.Request]],
-                items: dict[str, list]) -> Iterator[tuple[list[dcp_io.Request], dict[str, torch.Tensor]]]:
-    """Yield (batch, its tensors), reading the next batch on a background thread while the caller writes
-    this one (DCP's reads and our writes release the GIL); at most two batches are in memory."""
-    with ThreadPoolExecutor(1, thread_name_prefix="gspo-convert-read") as pool:
-        future = pool.submit(reader.read, batches[0], items) if batches else None
-        for i, batch in enumerate(batches):
-            tensors = future.result()
-            future = pool.submit(reader.read, batches[i + 1], items) if i + 1 < len(batches) else None
-            yield batch, tensors
 
 
 def _batches(requests: list[dcp_io.Request], batch_bytes: int) -> Iterator[list[dcp_io.Request]]:

@@ -467,8 +467,14 @@ class PolicyModel:
         model; the optimizer state reshards across DP). ``is_loading`` makes the optimizer allocate its
         (lazily created) Adam state first, so the load has somewhere to put it."""
         model_state = self.module.sharded_state_dict(prefix="model.")
+        # Name optimizer tensors by their parameters only (no "chained_N." prefix for the dense/expert
+        # optimizer pair that EP creates) and, for the distributed optimizer, in a fully reshardable
+        # format: the optimizer state then loads at another TP/EP/DP layout like the weights do.
+        metadata = {"chained_optim_avoid_prefix": True}
+        if self.parallel.distributed_optimizer:
+            metadata["distrib_optim_sharding_type"] = "fully_reshardable"
         return {"model": model_state,
-                "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+                "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata),
                 "scheduler": self.scheduler.state_dict()}
 
     def load_sharded_state_dict(self, state: dict) -> None:

@@ -119,3 +119,36 @@ def nan_gradient_is_skipped(rank, world_size, model_config) -> dict:
     changed = any(not torch.equal(p, before[n]) for n, p in policy.module.named_parameters())
     return {"skipped": skipped, "unchanged": unchanged, "clean": clean, "changed": changed,
             "count": policy.skipped_steps}
+
+
+def training_state_across_layouts(rank, world_size, model_config, save_layout: str, load_layout: str,
+                                  directory: str) -> dict:
+    """Two Adam steps at ``save_layout`` with a checkpoint (model, optimizer, scheduler) after the first;
+    the checkpoint loaded at ``load_layout`` and the second step taken there must give the same weights."""
+    from gspo_megatron.megatron import checkpoint as ckpt
+
+    def policy_at(layout: str, seed: int) -> PolicyModel:
+        initialize_model_parallel(LAYOUTS[layout], seed=seed)
+        return PolicyModel(model_config, LAYOUTS[layout], OptimizerConfig(lr=1e-2, warmup_steps=2), LossConfig())
+
+    def step(policy: PolicyModel, layout: str):
+        from megatron.core import parallel_state as ps
+
+        seqs = make_sequences(model_config)
+        for q, o in zip(seqs, policy.compute_logprobs(seqs)):
+            q.old_logprobs = o["logprobs"] + 0.002
+        mine = split_for_data_parallel(seqs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+        return policy.train_minibatch(mine)
+
+    policy = policy_at(save_layout, 0)
+    sharding.load_full_state_dict(policy.module, canonical_weights(model_config, seed=1))
+    step(policy, save_layout)
+    ckpt.save(policy.sharded_state_dict(), f"{directory}/state")
+    second = step(policy, save_layout)
+    expected = sharding.full_state_dict(policy.module, model_config.vocab_size)
+
+    resumed = policy_at(load_layout, 7)  # different init: everything must come from the checkpoint
+    resumed.load_sharded_state_dict(ckpt.load(resumed.sharded_state_dict(is_loading=True), f"{directory}/state"))
+    second_resumed = step(resumed, load_layout)
+    return {"expected": expected, "lr": (second["lr"], second_resumed["lr"]),
+            "got": sharding.full_state_dict(resumed.module, model_config.vocab_size)}
