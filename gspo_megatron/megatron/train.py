@@ -233,6 +233,11 @@ class PolicyModel:
             lr_warmup_steps=optim.warmup_steps, lr_decay_steps=decay_steps,
             lr_decay_style=optim.decay_style if optim.decay_steps else "constant",
             start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+        if not torch.cuda.is_available():
+            # Without apex/TE Megatron uses torch.optim.AdamW, which on CPU defaults to a per-tensor loop;
+            # its fused CPU kernel computes the same update in one pass (the GPU path uses TE/apex fused Adam).
+            for group in self.optimizer.param_groups:
+                group["fused"] = True
 
     # ---- helpers -------------------------------------------------------------------------------
     @property
@@ -423,13 +428,12 @@ class PolicyModel:
         return raw
 
     def grads_finite(self) -> bool:
-        """True when every gradient on every rank is finite (one MIN all-reduce over the world)."""
-        flag = torch.ones(1)
-        for param in self.ddp.parameters():
-            grad = getattr(param, "main_grad", None)
-            if grad is not None and not torch.isfinite(grad).all():
-                flag.zero_()
-                break
+        """True when every gradient on every rank is finite (one MIN all-reduce over the world).
+
+        Megatron DDP keeps all gradients in a few contiguous buffers: one check per buffer."""
+        buffers = [*self.ddp.buffers, *self.ddp.expert_parallel_buffers]
+        finite = all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in buffers)
+        flag = torch.tensor([1.0 if finite else 0.0])
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())

@@ -228,15 +228,17 @@ class Trainer:
         # 4. old log-probs: recomputed by the training model (default) or the engine's. The first
         #    mini-batch's forward records the routing (for the drift after one update).
         t1 = time.perf_counter()
-        drift = self.model_config.is_moe and cfg.train.measure_routing_drift
+        # Routing drift "after one gradient update" is read on mini-batch 1: its old-policy forward here
+        # is before any update, its update forward comes after exactly one (no extra forward needed).
+        drift = self.model_config.is_moe and cfg.train.measure_routing_drift and len(shares) > 1
         replay = cfg.train.routing_replay == "r2"
         recorded: list[list[torch.Tensor] | None] = [None] * len(shares)  # R2: experts per micro-batch
         if cfg.rollout.logprobs_from == "recompute":
             old, routing_before = [], None
             for k, share in enumerate(shares):
-                with self._recorder((drift and k == 0) or replay) as recorder:
+                with self._recorder((drift and k == 1) or replay) as recorder:
                     old.extend(self.policy.compute_logprobs(share))
-                routing_before = recorder if k == 0 else routing_before
+                routing_before = recorder if k == 1 else routing_before
                 if replay:
                     recorded[k] = recorder.routed_experts()
             for q, o in zip(my_seqs, old):
@@ -255,10 +257,17 @@ class Trainer:
         update_metrics = []
         metrics: dict[str, float] = {}
         for k, share in enumerate(shares):
-            update_metrics.append(self.policy.train_minibatch(share, routed_experts=recorded[k]))
-            if k == 0 and drift and cfg.rollout.logprobs_from == "recompute":
+            measure = k == 1 and drift and cfg.rollout.logprobs_from == "recompute" and not replay
+            with self._recorder(measure) as routing_after:
+                update_metrics.append(self.policy.train_minibatch(share, routed_experts=recorded[k]))
+            if measure:
                 # routing drift after one gradient update (paper: ~10% of experts change on Qwen3-30B-A3B)
-                metrics.update(self._routing_drift(shares[0], routing_before))
+                metrics.update(self._routing_drift(share, routing_before, routing_after))
+            if k == 0 and drift and replay and cfg.rollout.logprobs_from == "recompute":
+                # the update forwards replay the recorded experts, so free routing takes one extra forward
+                with self._recorder(True) as routing_after:
+                    self.policy.compute_logprobs(shares[1])
+                metrics.update(self._routing_drift(shares[1], routing_before, routing_after))
         self.faults["skipped_updates"] = self.policy.skipped_steps
         timings["time_update_s"] = time.perf_counter() - t2
 
@@ -300,15 +309,13 @@ class Trainer:
         sp_group = ps.get_tensor_model_parallel_group() if self.config.parallel.use_sequence_parallel else None
         return RoutingRecorder(self.policy.module, sequence_parallel_group=sp_group)
 
-    def _routing_drift(self, share: list[TrainSequence], before) -> dict[str, float]:
+    def _routing_drift(self, share: list[TrainSequence], before, after) -> dict[str, float]:
         """Fraction of (response token, layer) top-k expert sets that changed between the old-policy
-        forward and a forward after the update, over the same tokens."""
+        forward and the update forward after one optimizer step, over the same tokens."""
         from megatron.core import parallel_state as ps
 
         from gspo_megatron.megatron.routing import drift_fractions, reduce_drift, routing_drift
 
-        with self._recorder(True) as after:
-            self.policy.compute_logprobs(share)
         mask = torch.cat([mb["loss_mask"].reshape(-1) for mb in self.policy._microbatches(share)])
         stats = routing_drift(before.experts, after.experts, mask)
         stats = reduce_drift(stats, ps.get_data_parallel_group())
