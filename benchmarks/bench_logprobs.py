@@ -245,18 +245,22 @@ def main() -> None:
         return next(r for r in rows
                     if (r["path"], r["tp"], r["with_entropy"], r["chunk_tokens"]) == (path, tp, with_entropy, chunk))
 
-    ratios = {}
+    ratios = []  # one row per (entropy, chunk size); TP=2 ran at the first chunk size only
     for with_entropy in (False, True):
-        naive, ours, ours2 = (find("naive", 1, with_entropy), find("vocab_parallel", 1, with_entropy, chunks[0]),
-                              find("vocab_parallel", 2, with_entropy, chunks[0]))
-        ratios[f"entropy={with_entropy}"] = {
-            "naive_over_ours_peak": naive["peak_bytes"] / ours["peak_bytes"],
-            "naive_over_ours_peak_beyond_grad": naive["peak_beyond_grad_units"] / ours["peak_beyond_grad_units"],
-            "naive_over_ours_nograd_forward_peak": naive["nograd_forward_peak_bytes"] / ours["nograd_forward_peak_bytes"],
-            "naive_over_ours_time": naive["fwd_bwd_ms"] / ours["fwd_bwd_ms"],
-            "tp2_rank_over_tp1_peak": ours2["peak_bytes"] / ours["peak_bytes"],
-            "tp2_over_tp1_time": ours2["fwd_bwd_ms"] / ours["fwd_bwd_ms"],
-        }
+        naive = find("naive", 1, with_entropy)
+        for chunk in chunks:
+            ours = find("vocab_parallel", 1, with_entropy, chunk)
+            row = {"with_entropy": with_entropy, "chunk_tokens": chunk,
+                   "naive_over_ours_peak": naive["peak_bytes"] / ours["peak_bytes"],
+                   "naive_over_ours_peak_beyond_grad": naive["peak_beyond_grad_units"] / ours["peak_beyond_grad_units"],
+                   "naive_over_ours_nograd_forward_peak":
+                       naive["nograd_forward_peak_bytes"] / ours["nograd_forward_peak_bytes"],
+                   "naive_over_ours_time": naive["fwd_bwd_ms"] / ours["fwd_bwd_ms"]}
+            if chunk == chunks[0]:
+                ours2 = find("vocab_parallel", 2, with_entropy, chunk)
+                row["tp2_rank_over_tp1_peak"] = ours2["peak_bytes"] / ours["peak_bytes"]
+                row["tp2_over_tp1_time"] = ours2["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
+            ratios.append(row)
     tolerance = 1e-4
     agree = all(v <= tolerance for c in checks.values() for v in c.values())
 
@@ -289,12 +293,13 @@ def main() -> None:
                       f"{r['nograd_forward_peak_bytes'] / gib:.3f}", str(r["counters_agree"]))
     console = Console(width=160)
     console.print(table)
-    ratio_table = Table(title="ratios")
-    ratio_table.add_column("ratio")
-    for key in ratios:
-        ratio_table.add_column(key)
-    for name in ratios["entropy=False"]:
-        ratio_table.add_row(name, *(f"{ratios[k][name]:.2f}" for k in ratios))
+    ratio_table = Table(title="ratios (naive / ours: > 1 means ours is smaller or faster; TP=2 / TP=1 per rank)")
+    names = [k for k in ratios[0] if k not in ("with_entropy", "chunk_tokens")]
+    for column in ("entropy", "chunk", *names):
+        ratio_table.add_column(column.replace("_", " "))
+    for r in ratios:
+        ratio_table.add_row(str(r["with_entropy"]), str(r["chunk_tokens"]),
+                            *(f"{r[k]:.2f}" if k in r else "-" for k in names))
     console.print(ratio_table)
     print(f"agreement with log_softmax + gather: {'yes' if agree else 'NO'} (max abs diff <= {tolerance})")
     print(f"wrote {RESULT}")
