@@ -2,7 +2,7 @@
 peak extra memory and time of forward + backward, side by side in one run, with and without entropy,
 and the vocab-parallel path at TP=2 on two gloo ranks.
 
-    .venv/bin/python benchmarks/bench_logprobs.py [--tokens 8192] [--vocab 32768] [--chunk-tokens 1024]
+    .venv/bin/python benchmarks/bench_logprobs.py [--tokens 8192] [--vocab 32768] [--chunk-tokens 1024,128]
                                                   [--repeats 3] [--threads 1]
 
 Problem: float32 logits [tokens, vocab] (3 x N(0, 1)), random targets, objective
@@ -14,14 +14,17 @@ logits (made before) are excluded, the gradient of the logits (which any path mu
 (1) ``PeakTensorBytes`` (benchmarks/bench_loss.py), a TorchDispatchMode that adds a storage's bytes when an
 ATen op returns a tensor on a new storage and subtracts them when the last tensor viewing it is freed;
 (2) torch.profiler with ``profile_memory=True``: the allocator's [memory] events (+bytes on allocation,
--bytes on free), summed in time order. Both count what the CPU allocator hands out for tensors, not
-allocator caching or Python objects. Besides forward + backward, the peak of a no-grad forward (the
+-bytes on free), summed in time order; the previous gradient is dropped before each count, because the
+profiler would subtract a block made outside the session with a stale size (a negative sum raises). Both
+count what the CPU allocator hands out for tensors, not allocator caching or Python objects. Besides forward + backward, the peak of a no-grad forward (the
 old-policy / reference log-prob pass) is reported. Units: bytes, and multiples of one [N, V] float32
 tensor (the full logits).
 
 Time: median forward + backward wall time over ``--repeats`` runs after a warm-up, the two paths
 interleaved so that load from other processes hits both alike; outside the memory counters. TP=2: the
-slower rank's median, each rank with ``--threads`` threads (the ranks share the machine's cores).
+slower rank's median, each rank with ``--threads`` threads (the ranks share the machine's cores). The
+kernel CPU time of the same runs is reported beside it: on CPU, temporaries above glibc's mmap threshold
+(32 MiB) are mapped afresh on every allocation and page-faulted in, which dominates large chunks.
 
 Writes benchmarks/results/logprobs.json and prints a table.
 """

@@ -260,7 +260,13 @@ class RewardPool:
         if self._finalizer.alive is False:
             raise RuntimeError("RewardPool.score called after close()")
         start = time.monotonic()
-        items: list[Item] = [(dict(sample_mapping(s)), r) for s, r in batch]
+        # A prompt's G responses share one sample object: convert it once, not once per response.
+        converted: dict[int, dict] = {}
+        items: list[Item] = []
+        for s, r in batch:
+            if id(s) not in converted:
+                converted[id(s)] = dict(sample_mapping(s))
+            items.append((converted[id(s)], r))
         stats: collections.Counter = collections.Counter()
         tasks = self._plan(len(items))
         if self._local_terms is not None:
