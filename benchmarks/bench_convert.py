@@ -9,8 +9,10 @@ directly, 4 shards + index; Qwen3-30B-A3B's layer shapes with a 32k vocabulary, 
 1. ``cp -r`` of the HF folder, then ``sync`` of the copied files (the converters fsync what they write,
    so "cp + sync" is the like-for-like baseline; plain ``cp`` is reported too);
 2. ``convert hf-to-megatron``;
-3. ``convert megatron-to-hf`` (with the source as template), whose files must equal the source's bytes;
-repeated ``--repeat`` times, the best time of each step reported (the machine is shared).
+3. ``convert megatron-to-hf`` of a checkpoint converted beforehand (with the source as template), whose
+   files must equal the source's bytes;
+repeated ``--repeat`` times, the best and the median time of each step reported (the machine is shared).
+Each step's output is deleted before the next step, so all of them write into the same free memory.
 
 Conversion times are measured inside the converting process around the conversion itself; interpreter
 start-up and imports (the same for any checkpoint size) are reported separately. Peak memory is the
@@ -146,22 +148,24 @@ def main() -> None:
         raise SystemExit(f"{work}: {free / 1e9:.1f} GB free, the benchmark needs about {5 * args.size_gb:.1f} GB")
     runs: dict[str, list[dict]] = {"cp": [], "hf -> megatron": [], "megatron -> hf": []}
     try:
-        hf = work / "hf"
+        hf, meg_ref = work / "hf", work / "meg-ref"
         nbytes = generate(hf, config)
+        run_child(["hf-to-megatron", "--hf-dir", str(hf), "--out", str(meg_ref)])  # the megatron -> hf input
         for rep in range(args.repeat):  # the machine is shared: each step is timed --repeat times, best kept
-            meg, back, copy = work / f"meg{rep}", work / f"back{rep}", work / f"cp{rep}"
+            # each step's output is deleted before the next step runs, so every step writes into the
+            # same amount of free memory (writing new pages is much slower when the kernel must reclaim)
+            copy, meg, back = work / f"cp{rep}", work / f"meg{rep}", work / f"back{rep}"
             cp_s = timed(["cp", "-r", str(hf), str(copy)])
             sync_s = timed(["sync", *map(str, sorted(copy.iterdir()))])
             runs["cp"].append({"cp_s": cp_s, "sync_s": sync_s})
             shutil.rmtree(copy)
             runs["hf -> megatron"].append(run_child(["hf-to-megatron", "--hf-dir", str(hf), "--out", str(meg)]))
-            runs["megatron -> hf"].append(run_child(["megatron-to-hf", "--megatron-dir", str(meg), "--out", str(back),
-                                                     "--hf-template", str(hf)]))
-            files = sorted(p.name for p in hf.iterdir())
-            identical = all(filecmp.cmp(hf / f, back / f, shallow=False) for f in files)
-            if not identical:
-                raise SystemExit(f"{back}: the round trip changed the checkpoint")
             shutil.rmtree(meg)
+            runs["megatron -> hf"].append(run_child(["megatron-to-hf", "--megatron-dir", str(meg_ref),
+                                                     "--out", str(back), "--hf-template", str(hf)]))
+            files = sorted(p.name for p in hf.iterdir())
+            if not all(filecmp.cmp(hf / f, back / f, shallow=False) for f in files):
+                raise SystemExit(f"{back}: the round trip changed the checkpoint")
             shutil.rmtree(back)
     finally:
         if not args.keep:
@@ -209,7 +213,7 @@ def main() -> None:
         table.add_row(row["direction"], f"{row['seconds']:.2f}", f"{row['median_seconds']:.2f}",
                       f"{row['gb_per_s']:.2f}", f"{row['ratio_vs_cp_sync']:.2f}", f"{row['ratio_vs_cp']:.2f}",
                       f"{row['peak_rss_bytes'] / 2**20:.0f} MiB", f"{row['baseline_rss_bytes'] / 2**20:.0f} MiB")
-    Console().print(table)
+    Console(width=140).print(table)
     print(f"round trip byte-identical in every run; results in {RESULT}")
 
 

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWr
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from gspo_megatron.conversion.errors import ConversionError, name_list
+from gspo_megatron.conversion.safetensors_io import WRITEBACK_BYTES, start_writeback
 from gspo_megatron.conversion.tables import VOCAB_PARAMS
 from gspo_megatron.megatron.model_config import ModelConfig
 
@@ -196,8 +197,8 @@ class _Prefetcher:
 class _LazySavePlanner(SavePlanner):
     """A DCP SavePlanner over chunks that do not exist until the writer asks for them."""
 
-    def __init__(self, planned: list[PlannedChunk], objects: dict[str, bytes], prefetcher: _Prefetcher,
-                 on_write: Callable[[int], None]):
+    def __init__(self, directory: Path, planned: list[PlannedChunk], objects: dict[str, bytes],
+                 prefetcher: _Prefetcher, on_write: Callable[[int], None]):
         self._items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects]
         self._sources: dict = {MetadataIndex(key): objects[key] for key in objects}
         for position, p in enumerate(planned):
@@ -211,6 +212,8 @@ class _LazySavePlanner(SavePlanner):
         self._planned = planned
         self._prefetcher = prefetcher
         self._on_write = on_write
+        self._directory = directory
+        self._unflushed = 0
 
     # the SavePlanner protocol (torch.distributed.checkpoint.planner.SavePlanner)
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
@@ -237,7 +240,15 @@ class _LazySavePlanner(SavePlanner):
         if tuple(tensor.shape) != planned.chunk.shape or tensor.dtype != planned.dtype:
             raise ConversionError(f"{planned.name}: produced {list(tensor.shape)} {tensor.dtype}, the model "
                                   f"needs {list(planned.chunk.shape)} {planned.dtype}")
-        self._on_write(tensor.numel() * tensor.element_size())
+        nbytes = tensor.numel() * tensor.element_size()
+        self._on_write(nbytes)
+        self._unflushed += nbytes
+        if self._unflushed >= WRITEBACK_BYTES:  # what the writer wrote so far goes to the disk now
+            for path in self._directory.glob("*.distcp"):
+                fd = os.open(path, os.O_RDONLY)
+                start_writeback(fd)
+                os.close(fd)
+            self._unflushed = 0
         return tensor.reshape(planned.chunk.sizes).contiguous()
 
 
@@ -279,7 +290,7 @@ def write_checkpoint(directory: Path, planned: list[PlannedChunk], objects: dict
     writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1,
                                   overwrite=False)
     prefetcher = _Prefetcher(planned, prefetch_bytes)
-    planner = _LazySavePlanner(planned, objects, prefetcher, on_write)
+    planner = _LazySavePlanner(directory, planned, objects, prefetcher, on_write)
     with warnings.catch_warnings(), _without_zip_crc32():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         try:

@@ -157,11 +157,19 @@ def _tp_info(model_config):
     return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank() * v_local
 
 
+LOGPROB_CHUNK_BYTES = 16 * 1024 * 1024
+
+
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, model_config, with_entropy: bool,
-                   chunk_tokens: int = 1024):
-    """[b, s, V/TP] vocab-parallel logits -> log-probs (and entropy) of ``labels`` [b, s]."""
+                   chunk_bytes: int = LOGPROB_CHUNK_BYTES):
+    """[b, s, V/TP] vocab-parallel logits -> log-probs (and entropy) of ``labels`` [b, s].
+
+    Tokens are processed in chunks whose float32 temporaries stay within ``chunk_bytes``: small enough
+    to be reused by the allocator (large fresh temporaries page-fault on CPU: benchmarks/bench_logprobs.py),
+    large enough to keep kernels efficient."""
     group, vocab_start = _tp_info(model_config)
     b, s, v = logits.shape
+    chunk_tokens = max(1, chunk_bytes // (4 * v))
     logp, entropy = vocab_parallel_logprobs(logits.reshape(b * s, v), labels.reshape(-1), tp_group=group,
                                             vocab_start=vocab_start, vocab_size=model_config.vocab_size,
                                             chunk_tokens=chunk_tokens, with_entropy=with_entropy)
@@ -200,12 +208,12 @@ class PolicyModel:
     """
 
     def __init__(self, model_config, parallel, optim: OptimizerConfig, loss: LossConfig,
-                 max_tokens_per_microbatch: int = 4096, logprob_chunk_tokens: int = 1024):
+                 max_tokens_per_microbatch: int = 4096, logprob_chunk_bytes: int = LOGPROB_CHUNK_BYTES):
         from gspo_megatron.megatron.model import build_model, wrap_ddp
 
         self.model_config, self.parallel, self.optim_config, self.loss_config = model_config, parallel, optim, loss
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
-        self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.logprob_chunk_bytes = logprob_chunk_bytes
         self.module = build_model(model_config, parallel)
         self.module.config.variable_seq_lengths = True  # micro-batches differ in shape (packing)
         self.ddp = wrap_ddp(self.module, parallel)
@@ -295,7 +303,7 @@ class PolicyModel:
 
             def loss_func(logits):
                 logp, entropy = token_logprobs(logits, mb["labels"], self.model_config, with_entropy,
-                                               self.logprob_chunk_tokens)
+                                               self.logprob_chunk_bytes)
                 collected.append((mb["indices"], logp, entropy))
                 return logits.new_zeros(()), {}
 
@@ -348,7 +356,7 @@ class PolicyModel:
 
             def loss_func(logits):
                 logp, entropy = token_logprobs(logits, mb["labels"], self.model_config, need_entropy,
-                                               self.logprob_chunk_tokens)
+                                               self.logprob_chunk_bytes)
                 old = mb.get("old_logprobs")
                 if old is None:
                     raise ValueError("forward_backward: every sequence needs old_logprobs (compute_logprobs first)")
@@ -404,7 +412,7 @@ class PolicyModel:
             output = model(mb["input_ids"], mb["position_ids"], causal_mask(mb["input_ids"].shape[1]))
 
             def loss_func(logits):
-                logp, _ = token_logprobs(logits, mb["labels"], self.model_config, False, self.logprob_chunk_tokens)
+                logp, _ = token_logprobs(logits, mb["labels"], self.model_config, False, self.logprob_chunk_bytes)
                 nll = -(logp * mb["loss_mask"]).sum() / max(normalisers.num_tokens, 1.0)
                 return nll * scale, {"loss": nll.detach(), "tokens": mb["loss_mask"].sum().float()}
 

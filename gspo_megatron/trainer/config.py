@@ -158,6 +158,10 @@ class TrainConfig:
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
 
     def validate(self, path: str) -> None:
+        # the CP pieces exist (megatron/context_parallel.py) but the trainer does not split sequences over
+        # CP ranks yet (docs/megatron.md): refuse rather than feed every CP rank whole sequences
+        check(self.parallel.context_parallel == 1, "parallel.context_parallel",
+              "context parallelism is not wired into the trainer yet; use 1")
         check(self.train.routing_replay == "off" or self.rollout.logprobs_from == "recompute",
               "train.routing_replay", "r2 records the experts in the recomputed old-policy forward: "
               "needs rollout.logprobs_from: recompute")
