@@ -201,6 +201,18 @@ def _reduce_metrics(raw: dict[str, torch.Tensor], group) -> dict[str, torch.Tens
     return out
 
 
+def _from_last_stage(obj):
+    """``obj`` as the last pipeline stage has it (losses and log-probs only exist there), on every stage."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
+                               group=ps.get_pipeline_model_parallel_group())
+    return holder[0]
+
+
 class PolicyModel:
     """A Megatron GPTModel under DDP with its optimizer and LR schedule, and the GSPO update on it.
 
@@ -320,12 +332,7 @@ class PolicyModel:
                     results[i]["logprobs"] = logp[row, p - 1:n - 1].clone()
                     if entropy is not None:
                         results[i]["entropy"] = entropy[row, p - 1:n - 1].clone()
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            holder = [results]
-            dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
-                                       group=ps.get_pipeline_model_parallel_group())
-            results = holder[0]
-        return results
+        return _from_last_stage(results)
 
     # ---- the update ------------------------------------------------------------------------------
     def forward_backward(self, seqs: Sequence[TrainSequence], normalisers: LossNormalisers | None = None,
@@ -428,12 +435,7 @@ class PolicyModel:
         from megatron.core import parallel_state as ps
 
         raw = _reduce_metrics(raw, ps.get_data_parallel_group()) if ps.is_pipeline_last_stage() else raw
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            holder = [raw]
-            dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
-                                       group=ps.get_pipeline_model_parallel_group())
-            raw = holder[0]
-        return raw
+        return _from_last_stage(raw)
 
     def grads_finite(self) -> bool:
         """True when every gradient on every rank is finite (one MIN all-reduce over the world).

@@ -116,3 +116,25 @@ def test_export_without_any_template_writes_configs_from_the_model_config(conver
     assert (back / "generation_config.json").is_file() and not (back / "tokenizer.json").exists()
     ours, theirs = read_all(back), read_all(hf)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_early_writeback_while_writing_both_ways(converted, tmp_path, monkeypatch):
+    from gspo_megatron.conversion import safetensors_io
+
+    calls = []
+    real = safetensors_io.start_writeback
+
+    def counting(fd):
+        calls.append(fd)
+        real(fd)
+
+    for module in (dcp_io, safetensors_io):  # every tensor now crosses the threshold
+        monkeypatch.setattr(module, "WRITEBACK_BYTES", 1)
+        monkeypatch.setattr(module, "start_writeback", counting)
+    hf = converted["qwen3_moe"][0]
+    meg = offline.hf_to_megatron(hf, tmp_path / "meg", progress=False)
+    after_import = len(calls)
+    back = offline.megatron_to_hf(meg, tmp_path / "back", progress=False)
+    assert after_import > 10 and len(calls) - after_import > 10
+    for file in weight_files(hf):
+        assert (back / file).read_bytes() == (hf / file).read_bytes()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 
+from gspo_megatron.conversion.check import megatron_logits
 from gspo_megatron.megatron import sharding
 from gspo_megatron.megatron.model import build_model, wrap_ddp
 from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
@@ -111,35 +112,6 @@ def parallel_equivalence(rank: int, world_size: int, model_config, layouts: list
             for name in layouts}
 
 
-def full_logits(model, model_config, tokens: torch.Tensor) -> torch.Tensor | None:
-    """Forward-only logits gathered over TP (and pipeline stages via the schedule); None off the last stage."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    seq_len = tokens.shape[1]
-    outputs = []
-
-    def forward_step(data_iterator, chunk):
-        mb = next(data_iterator)
-        out = chunk(mb, torch.arange(seq_len).unsqueeze(0).expand_as(mb), causal_mask(seq_len))
-
-        def loss_func(logits):
-            outputs.append(logits.detach().clone())
-            return logits.sum() * 0, {}
-
-        return out, loss_func
-
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([tokens]), model=[model],
-                                num_microbatches=1, seq_length=seq_len, micro_batch_size=tokens.shape[0],
-                                forward_only=True)
-    if not ps.is_pipeline_last_stage():
-        return None
-    logits = outputs[0]
-    parts = [torch.empty_like(logits) for _ in range(ps.get_tensor_model_parallel_world_size())]
-    torch.distributed.all_gather(parts, logits, group=ps.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=-1)[..., :model_config.vocab_size]
-
-
 def checkpoint_across_layouts(rank: int, world_size: int, model_config, pairs: list[tuple[str, str]],
                               directory: str) -> dict:
     """For each (save layout, load layout): save canonical weights at one, load at the other, return
@@ -153,13 +125,13 @@ def checkpoint_across_layouts(rank: int, world_size: int, model_config, pairs: l
         initialize_model_parallel(LAYOUTS[save_name])
         model = build_model(model_config, LAYOUTS[save_name])
         sharding.load_full_state_dict(model, canonical_weights(model_config, seed=3))
-        saved = full_logits(model, model_config, tokens)
+        saved = megatron_logits(model, model_config, tokens)
         checkpoint.save_model(model, path, common={"layout": save_name})
         initialize_model_parallel(LAYOUTS[load_name], seed=99)
         fresh = build_model(model_config, LAYOUTS[load_name])
-        before = full_logits(fresh, model_config, tokens)
+        before = megatron_logits(fresh, model_config, tokens)
         checkpoint.load_model(fresh, path)
-        after = full_logits(fresh, model_config, tokens)
+        after = megatron_logits(fresh, model_config, tokens)
         results[(save_name, load_name)] = {"saved": saved, "before": before, "after": after,
                                            "meta": checkpoint.read_meta(path)}
     return results
