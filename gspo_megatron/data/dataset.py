@@ -20,7 +20,7 @@ import logging
 import random
 from typing import Any, Iterator, Mapping, Sequence
 
-from gspo_megatron.data.chat import check_template, encode, render_prompt
+from gspo_megatron.data.chat import check_template, render_prompt
 from gspo_megatron.data.config import DataConfig, FieldMap
 from gspo_megatron.data.readers import DatasetError, read_rows
 

@@ -14,9 +14,7 @@ checkpoint draws exactly the samples the uninterrupted run would have drawn.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -29,7 +27,7 @@ from gspo_megatron.megatron import checkpoint as ckpt
 from gspo_megatron.megatron import sharding
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.parallel import initialize_model_parallel
-from gspo_megatron.megatron.train import (OptimizerConfig, PolicyModel, TrainSequence, iter_minibatches,
+from gspo_megatron.megatron.train import (PolicyModel, TrainSequence, iter_minibatches,
                                           split_for_data_parallel)
 from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.trainer.config import TrainConfig, save_config

@@ -71,11 +71,8 @@ def test_optimizer_steps_match(reference, parallel_runs, layout):
 def test_old_logprobs_match_a_plain_forward(reference):
     """compute_logprobs (micro-batched, padded, vocab-parallel) == log_softmax of the same model run
     sequence by sequence without padding."""
-    from gspo_megatron.testing.distributed import run_distributed as run
-    from tests.megatron.train_workers import make_sequences as _  # noqa: F401 (same sequences as the worker)
-
     single, _ = reference
-    plain = run(_plain_logprobs, 1, (tiny_moe_config(),))[0]
+    plain = run_distributed(_plain_logprobs, 1, (tiny_moe_config(),))[0]
     for got, want, h_got, h_want in zip(single["old"], plain["logp"], single["entropy"], plain["entropy"]):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         torch.testing.assert_close(h_got, h_want, rtol=0, atol=1e-4)
