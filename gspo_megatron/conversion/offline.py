@@ -125,7 +125,8 @@ def _check_table_matches_model(entries: list[Entry], layout: dcp_io.CheckpointLa
 
 
 def _hf_specs(entry: Entry, chunk: dcp_io.Chunk, dtype: torch.dtype) -> list[TensorSpec]:
-    return [TensorSpec(name, tuple(shape), dtype) for name, shape in zip(entry.hf, entry.transform.hf_shapes(chunk.shape))]
+    shapes = entry.transform.hf_shapes(chunk.shape)
+    return [TensorSpec(name, tuple(shape), dtype) for name, shape in zip(entry.hf, shapes)]
 
 
 # ---- HF -> Megatron ------------------------------------------------------------------------------
@@ -293,7 +294,8 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
     with dcp_io.CheckpointReader(megatron_dir) as reader:
         requests = {r.name: r for r in dcp_io.requests_for(layout, reader, config.vocab_size)}
         items = reader.plan(list(requests.values()))
-        specs = [s for e in entries for s in _hf_specs(e, layout.chunks[e.megatron], dtype or requests[e.megatron].dtype)]
+        specs = [spec for e in entries
+                 for spec in _hf_specs(e, layout.chunks[e.megatron], dtype or requests[e.megatron].dtype)]
         template_index = None
         if max_shard_bytes is None and template is not None and (template / INDEX_NAME).is_file():
             template_index = json.loads((template / INDEX_NAME).read_text())

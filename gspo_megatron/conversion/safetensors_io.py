@@ -143,8 +143,8 @@ class HFCheckpoint:
         self.index: dict | None = None
         if index_path.is_file():
             self.index = json.loads(index_path.read_text())
-            if "weight_map" not in self.index:
-                raise ConversionError(f"{index_path}: weight_map: missing")
+            if not isinstance(self.index, dict) or not isinstance(self.index.get("weight_map"), dict):
+                raise ConversionError(f"{index_path}: weight_map: missing (expected an object of name -> file)")
             files = sorted(set(self.index["weight_map"].values()))
             missing = [f for f in files if not (self.directory / f).is_file()]
             if missing:

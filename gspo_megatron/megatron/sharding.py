@@ -24,6 +24,8 @@ import torch.distributed as dist
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+# SwiGLU's fused [gate; up]: "linear_fc1.weight" (local spec) or "linear_fc1.weight{e}" (TE grouped experts)
+_FUSED_FC1 = re.compile(r"linear_fc1\.weight\d*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,7 @@ def shard_infos(model: torch.nn.Module) -> Iterator[tuple[ShardInfo, torch.nn.Pa
         _, tp_rank, tp_size = _groups(is_expert)
         if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
             split = "replicated"
-        elif gated and local_name.endswith("linear_fc1.weight"):
+        elif gated and _FUSED_FC1.search(local_name):
             split = "glu"
         else:
             split = f"dim{param.partition_dim}"

@@ -65,7 +65,8 @@ def test_every_family_of_the_model_config_has_a_table():
 
 
 def test_mixtral_uses_w1_as_gate_and_w3_as_up():
-    entry = next(e for e in expand(family_config("mixtral")) if e.megatron.endswith("local_experts.3.linear_fc1.weight"))
+    entries = expand(family_config("mixtral"))
+    entry = next(e for e in entries if e.megatron.endswith("local_experts.3.linear_fc1.weight"))
     assert entry.hf == ("model.layers.0.block_sparse_moe.experts.3.w1.weight",
                         "model.layers.0.block_sparse_moe.experts.3.w3.weight")
 
