@@ -176,7 +176,7 @@ class Trainer:
         mine = split_for_data_parallel(prompts, self.dp_size, self.dp_rank)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=r.top_p,
                                 top_k=r.top_k, stop_token_ids=[self.tokenizer.eos_token_id], seed=seed)
-        samples = self.engine.generate([p.prompt_ids for p in mine], samples_per_prompt, params) if mine else []
+        samples = self._generate([p.prompt_ids for p in mine], samples_per_prompt, params) if mine else []
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         batch = [(mine[i // samples_per_prompt], t) for i, t in enumerate(texts)]
         rewards, reward_metrics = self.rewards.score(batch) if batch else ([], {})
@@ -194,6 +194,26 @@ class Trainer:
             for key, value in m.items():
                 merged_metrics[key] = merged_metrics.get(key, 0.0) + float(value) / self.dp_size
         return gathered, merged_metrics
+
+    MAX_ENGINE_RESTARTS_PER_CALL = 2
+
+    def _generate(self, prompt_ids, samples_per_prompt: int, params: SamplingParams):
+        """engine.generate, restarting a failed engine (rebuilt, weights re-synced from the policy) up to
+        MAX_ENGINE_RESTARTS_PER_CALL times; each restart is counted in faults/engine_restarts. When it still
+        fails, the last error propagates with the restart count in the message."""
+        for attempt in range(self.MAX_ENGINE_RESTARTS_PER_CALL + 1):
+            try:
+                return self.engine.generate(prompt_ids, samples_per_prompt, params)
+            except Exception as err:  # noqa: BLE001 - contained: counted, engine rebuilt, re-raised at the limit
+                if attempt == self.MAX_ENGINE_RESTARTS_PER_CALL:
+                    raise RuntimeError(f"rollout engine failed after {attempt} restarts: {err}") from err
+                print(f"rank {self.rank}: rollout engine failed ({type(err).__name__}: {err}); restarting it",
+                      flush=True)
+                self.engine.shutdown()
+                self.engine = self._build_engine()
+                self._push_weights()
+                self.faults["engine_restarts"] += 1
+        raise AssertionError("unreachable")
 
     def train_step(self) -> dict[str, float]:
         cfg = self.config
@@ -327,6 +347,16 @@ class Trainer:
         from gspo_megatron.rollout.weight_sync import sync_weights
 
         return sync_weights(self.policy.ddp, self.model_config, self.engine)
+
+    def _push_weights(self) -> None:
+        """Weights into a rebuilt engine. The export is a collective over the model's groups, which the
+        other ranks are not in while one rank restarts its engine: with several ranks, stop with a clear
+        error instead (the job resumes from its last checkpoint)."""
+        if dist.get_world_size() == 1:
+            self.sync_weights()
+            return
+        raise RuntimeError("rollout engine restart with several ranks needs a collective re-sync; "
+                           "not supported yet: restart the job (it resumes from the last checkpoint)")
 
     def evaluate(self) -> dict[str, float]:
         """Greedy pass@1 (temperature ~0) and sampled pass@k on the held-out prompts."""
