@@ -16,7 +16,7 @@ every rank, so they pair up without coordination; the price is one broadcast per
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -117,22 +117,45 @@ def export_hf_tensors(model, model_config: ModelConfig, bucket_bytes: int,
     local = _local_tensors(model, model_config)
     owners = _owners(local, model_config)
     device = next(iter(local.values()))[1].device
+
+    def named() -> Iterator[tuple[str, torch.Tensor]]:
+        for entry in expand(model_config):
+            stage_key = _stage_key(entry.megatron)
+            if stage_key not in owners:
+                raise KeyError(f"export_hf_tensors: no pipeline stage holds {entry.megatron}")
+            stage, shape, param_dtype = owners[stage_key]
+            full = _assemble(entry.megatron, local, stage, shape, param_dtype, device, model_config)
+            for name, tensor in zip(entry.hf, entry.transform.to_hf(full)):
+                # a copy: the engine may keep it while training changes the parameters
+                yield name, tensor.to(dtype=dtype or tensor.dtype, copy=True)
+
+    yield from bucket_named_tensors(named(), bucket_bytes)
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
+    """Group tensors, in order, into buckets of at most ``bucket_bytes`` each.
+
+    A tensor larger than ``bucket_bytes`` travels alone. Names must be unique within a sync: a repeated
+    name would load the same parameter twice and hide a conversion bug.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    seen: set[str] = set()
     bucket: NamedTensors = []
     size = 0
-    for entry in expand(model_config):
-        stage_key = _stage_key(entry.megatron)
-        if stage_key not in owners:
-            raise KeyError(f"export_hf_tensors: no pipeline stage holds {entry.megatron}")
-        stage, shape, param_dtype = owners[stage_key]
-        full = _assemble(entry.megatron, local, stage, shape, param_dtype, device, model_config)
-        for name, tensor in zip(entry.hf, entry.transform.to_hf(full)):
-            # a copy: the engine may keep it while training changes the parameters
-            tensor = tensor.to(dtype=dtype or tensor.dtype, copy=True)
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
+    for name, tensor in named_tensors:
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears twice in one weight sync")
+        seen.add(name)
+        nbytes = tensor_nbytes(tensor)
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
     if bucket:
         yield bucket

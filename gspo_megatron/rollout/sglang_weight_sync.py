@@ -20,9 +20,11 @@ import os
 import shutil
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
+
+from gspo_megatron.conversion.export import bucket_named_tensors, tensor_nbytes  # noqa: F401 (re-exported)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -30,35 +32,6 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 # ----------------------------------------------------------------------------------------------------
 # Buckets
 # ----------------------------------------------------------------------------------------------------
-
-def tensor_nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
-    """Group tensors, in order, into buckets of at most ``bucket_bytes`` each.
-
-    A tensor larger than ``bucket_bytes`` travels alone. Names must be unique within a sync: a repeated
-    name would load the same parameter twice and hide a conversion bug.
-    """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    seen: set[str] = set()
-    bucket: NamedTensors = []
-    size = 0
-    for name, tensor in named_tensors:
-        if name in seen:
-            raise ValueError(f"tensor {name!r} appears twice in one weight sync")
-        seen.add(name)
-        nbytes = tensor_nbytes(tensor)
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
-
 
 def dtype_name(dtype: torch.dtype) -> str:
     """'bfloat16' for torch.bfloat16: the server resolves dtypes with getattr(torch, name)."""
