@@ -359,12 +359,12 @@ class Trainer:
                            "not supported yet: restart the job (it resumes from the last checkpoint)")
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy pass@1 (temperature ~0) and sampled pass@k on the held-out prompts."""
+        """Greedy pass@1 (temperature 0: argmax decoding in both engines) and sampled pass@k on the held-out prompts."""
         cfg = self.config.eval
         data = self.eval_data if self.eval_data is not None else self.train_data
         prompts = list(data)[:cfg.num_prompts]
         seed = step_seed(self.config.train.seed + 17, self.step, self.dp_rank)
-        greedy, _ = self.rollout(prompts, seed, 1, 1e-5, self.config.rollout.max_new_tokens)
+        greedy, _ = self.rollout(prompts, seed, 1, 0.0, self.config.rollout.max_new_tokens)  # 0: greedy
         out = {"eval_accuracy": sum(float(rs[0] >= 1.0) for _, _, rs in greedy) / max(len(greedy), 1)}
         if cfg.pass_k > 1:
             sampled, _ = self.rollout(prompts, seed + 1, cfg.pass_k, cfg.temperature, self.config.rollout.max_new_tokens)
