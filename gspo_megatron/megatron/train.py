@@ -62,6 +62,9 @@ class TrainSequence:
     prompt_len:       P (the response is tokens[P:]);
     advantage:        A_i (GSPO / GRPO) -- or token_advantages [L - P] (GSPO-token);
     old_logprobs, ref_logprobs, rollout_logprobs: [L - P] float32 per response token, optional.
+    routed_experts:   [R, num_moe_layers, top_k] int, optional: the experts Routing Replay forces in this
+                      sequence's forwards, row p for model input position p (R = L - 1: an engine's
+                      record, "R3"; or R = L: a RoutingRecorder's, "R2"). See ``megatron/routing.py``.
     """
 
     tokens: torch.Tensor
@@ -71,6 +74,7 @@ class TrainSequence:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     @property
     def response_len(self) -> int:
@@ -265,8 +269,15 @@ class PolicyModel:
         # sequence parallelism splits the sequence dimension over TP ranks
         return self.parallel.tensor_parallel if self.parallel.use_sequence_parallel else 1
 
-    def _microbatches(self, seqs: Sequence[TrainSequence]) -> list[dict]:
+    def _local_plan(self, seqs: Sequence[TrainSequence]) -> list[list[int]]:
+        """This rank's micro-batches (sequence indices), in run order; deterministic in the lengths."""
+        return pack_microbatches([int(q.tokens.numel()) for q in seqs], self.max_tokens_per_microbatch)
+
+    def _microbatches(self, seqs: Sequence[TrainSequence], replay: bool = False) -> list[dict]:
         """Pack this rank's sequences, then align the plan over the data-parallel group.
+
+        replay: attach each micro-batch's ``routed_experts`` [b, s, num_moe_layers, top_k] from the
+        sequences' records (Routing Replay); padding rows and positions get placeholder experts.
 
         Expert parallelism spans DP ranks and every MoE forward is a collective over the EP group, so all
         DP ranks must run the same number of micro-batches; the allgather dispatcher (CPU) also needs
@@ -274,7 +285,7 @@ class PolicyModel:
         """
         from megatron.core import parallel_state as ps
 
-        bins = pack_microbatches([int(q.tokens.numel()) for q in seqs], self.max_tokens_per_microbatch)
+        bins = self._local_plan(seqs)
         shapes = [(len(m), max(int(seqs[i].tokens.numel()) for i in m)) for m in bins]
         group = ps.get_data_parallel_group()
         if ps.get_data_parallel_world_size() > 1:
@@ -286,8 +297,63 @@ class PolicyModel:
             dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
             shapes = [tuple(int(x) for x in row) for row in table]
         fields = present_fields(seqs)
-        return [dict(collate([seqs[i] for i in members], self.pad_multiple, rows=rows, min_len=length, fields=fields),
-                     indices=members) for members, (rows, length) in zip(bins, shapes)]
+        out = []
+        for members, (rows, length) in zip(bins, shapes):
+            mb = dict(collate([seqs[i] for i in members], self.pad_multiple, rows=rows, min_len=length, fields=fields),
+                      indices=members)
+            if replay:
+                mb["routed_experts"] = self._experts_batch([seqs[i] for i in members], mb["input_ids"].shape)
+            out.append(mb)
+        return out
+
+    def _experts_batch(self, members: Sequence[TrainSequence], shape) -> torch.Tensor:
+        from gspo_megatron.megatron.routing import experts_to_batch, moe_layer_numbers
+
+        missing = [i for i, q in enumerate(members) if q.routed_experts is None]
+        if missing:
+            raise ValueError(f"routing replay: {len(missing)} sequences have no routed_experts (R2: record_routing "
+                             "after compute_logprobs; R3: the rollout engine must return routed experts)")
+        b, s = shape
+        empty = torch.empty(0, len(moe_layer_numbers(self.module.config)), self.model_config.moe_router_topk,
+                            dtype=torch.long)
+        rows = [q.routed_experts for q in members] + [empty] * (b - len(members))
+        return experts_to_batch(rows, s, num_experts=self.model_config.num_experts)
+
+    def record_routing(self, seqs: Sequence[TrainSequence], recorder) -> None:
+        """Routing Replay R2: store in each sequence the experts ``recorder`` (a RoutingRecorder around
+        ``compute_logprobs(seqs)``) saw; later ``forward_backward(seqs, replay=True)`` forces them.
+
+        Layers of other pipeline stages hold placeholder experts 0 .. top_k-1 (never replayed here)."""
+        from gspo_megatron.megatron.routing import NO_EXPERT
+
+        plan, routed = self._local_plan(seqs), recorder.routed_experts()
+        if len(routed) < len(plan):
+            raise ValueError(f"record_routing: the recorder saw {len(routed)} forwards for {len(plan)} micro-batches; "
+                             "wrap exactly one compute_logprobs(seqs) call")
+        fill = torch.arange(self.model_config.moe_router_topk)
+        for members, batch in zip(plan, routed):
+            for row, i in enumerate(members):
+                rows = batch[row, :int(seqs[i].tokens.numel())]
+                seqs[i].routed_experts = torch.where(rows == NO_EXPERT, fill, rows)
+
+    def _replay(self, replay: bool):
+        """A RoutingReplay on this model (None when off); use with ``_microbatches(..., replay=True)``."""
+        if not replay:
+            return None
+        from megatron.core import parallel_state as ps
+
+        from gspo_megatron.megatron.routing import RoutingReplay
+
+        if not self.model_config.is_moe:
+            raise ValueError("routing replay needs an MoE model (model.num_experts > 0)")
+        sp_group = ps.get_tensor_model_parallel_group() if self.parallel.use_sequence_parallel else None
+        return RoutingReplay(self.module, sequence_parallel_group=sp_group)
+
+    def _run_replayed(self, replay, microbatches: list[dict], forward_step, forward_only: bool):
+        if replay is None:
+            return self._run(microbatches, forward_step, forward_only)
+        with replay:
+            return self._run(microbatches, forward_step, forward_only)
 
     def _run(self, microbatches: list[dict], forward_step, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -299,18 +365,24 @@ class PolicyModel:
 
     # ---- no-grad forward: old-policy / reference log-probs ---------------------------------------
     @torch.no_grad()
-    def compute_logprobs(self, seqs: Sequence[TrainSequence], with_entropy: bool = False) -> list[dict]:
+    def compute_logprobs(self, seqs: Sequence[TrainSequence], with_entropy: bool = False,
+                         replay: bool = False) -> list[dict]:
         """Per sequence, the response tokens' log-probs [L - P] (and entropy) under the current weights.
 
-        Results are broadcast from the last pipeline stage so every rank of the DP group gets them.
+        replay: force each sequence's ``routed_experts`` (Routing Replay R3: the old policy's log-probs
+        under the rollout engine's routing). Results are broadcast from the last pipeline stage so every
+        rank of the DP group gets them.
         """
         from megatron.core import parallel_state as ps
 
-        microbatches = self._microbatches(seqs)
+        microbatches = self._microbatches(seqs, replay)
+        router_replay = self._replay(replay)
         collected: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if router_replay is not None:
+                router_replay.set_microbatch(mb["routed_experts"], model)
             output = model(mb["input_ids"], mb["position_ids"], causal_mask(mb["input_ids"].shape[1]))
 
             def loss_func(logits):
@@ -322,7 +394,7 @@ class PolicyModel:
             return output, loss_func
 
         self.ddp.eval()
-        self._run(microbatches, forward_step, forward_only=True)
+        self._run_replayed(router_replay, microbatches, forward_step, forward_only=True)
         self.ddp.train()
         results: list[dict] = [dict() for _ in seqs]
         if ps.is_pipeline_last_stage():
@@ -336,13 +408,12 @@ class PolicyModel:
 
     # ---- the update ------------------------------------------------------------------------------
     def forward_backward(self, seqs: Sequence[TrainSequence], normalisers: LossNormalisers | None = None,
-                         routed_experts: list[torch.Tensor] | None = None) -> dict:
+                         replay: bool = False) -> dict:
         """Accumulate the gradient of the mini-batch loss for this rank's share ``seqs``; returns the raw
         metrics reduced over micro-batches and DP ranks.
 
-        routed_experts: Routing Replay (R2): per micro-batch, the [b, s, num_moe_layers, top_k] experts
-        recorded by a ``RoutingRecorder`` around ``compute_logprobs(seqs)`` (same sequences, hence the
-        same micro-batch packing); the update forwards then use exactly those experts.
+        replay: Routing Replay -- the update forwards use exactly each sequence's ``routed_experts`` (R2:
+        stored by ``record_routing`` from the old-policy forward; R3: the rollout engine's).
         """
         from megatron.core import parallel_state as ps
 
@@ -350,15 +421,15 @@ class PolicyModel:
         dp = ps.get_data_parallel_world_size()
         if normalisers is None:
             normalisers = global_normalisers(seqs, dp_group)
-        microbatches = self._microbatches(seqs)
+        microbatches = self._microbatches(seqs, replay)
         num_mb = len(microbatches)
         need_entropy = self.loss_config.entropy_coef > 0
-        replay = self._routing_replay(routed_experts, microbatches)
+        router_replay = self._replay(replay)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            if replay is not None:
-                replay.set_microbatch(mb["routed_experts"], model)
+            if router_replay is not None:
+                router_replay.set_microbatch(mb["routed_experts"], model)
             output = model(mb["input_ids"], mb["position_ids"], causal_mask(mb["input_ids"].shape[1]))
 
             def loss_func(logits):
@@ -378,32 +449,9 @@ class PolicyModel:
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        if replay is None:
-            outputs = self._run(microbatches, forward_step, forward_only=False)
-        else:
-            with replay:
-                outputs = self._run(microbatches, forward_step, forward_only=False)
+        outputs = self._run_replayed(router_replay, microbatches, forward_step, forward_only=False)
         raw = merge_metrics(outputs) if outputs else {}
         return self._reduce_to_all(raw)
-
-    def _routing_replay(self, routed_experts, microbatches):
-        """A RoutingReplay bound to this model, with each micro-batch's recorded experts attached."""
-        if routed_experts is None:
-            return None
-        from megatron.core import parallel_state as ps
-
-        from gspo_megatron.megatron.routing import RoutingReplay
-
-        if len(routed_experts) != len(microbatches):
-            raise ValueError(f"routed_experts: {len(routed_experts)} recorded micro-batches for {len(microbatches)} "
-                             "update micro-batches; record them with compute_logprobs on the same sequences")
-        for mb, experts in zip(microbatches, routed_experts):
-            if tuple(experts.shape[:2]) != tuple(mb["input_ids"].shape):
-                raise ValueError(f"routed_experts: shape {tuple(experts.shape)} does not match the micro-batch "
-                                 f"{tuple(mb['input_ids'].shape)}")
-            mb["routed_experts"] = experts
-        sp_group = ps.get_tensor_model_parallel_group() if self.parallel.use_sequence_parallel else None
-        return RoutingReplay(self.module, sequence_parallel_group=sp_group)
 
     def sft_forward_backward(self, seqs: Sequence[TrainSequence]) -> dict:
         """Gradient of the supervised loss: mean negative log-likelihood of the response tokens of the
@@ -465,11 +513,11 @@ class PolicyModel:
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def train_minibatch(self, seqs: Sequence[TrainSequence],
-                        routed_experts: list[torch.Tensor] | None = None) -> dict[str, float]:
-        """One optimizer step on this rank's share of a mini-batch: loss, backward, step. Returns the
-        finalised metrics (means) plus grad_norm, lr and update_skipped."""
-        raw = self.forward_backward(seqs, routed_experts=routed_experts)
+    def train_minibatch(self, seqs: Sequence[TrainSequence], replay: bool = False) -> dict[str, float]:
+        """One optimizer step on this rank's share of a mini-batch: loss, backward, step (``replay``: Routing
+        Replay, see ``forward_backward``). Returns the finalised metrics (means) plus grad_norm, lr and
+        update_skipped."""
+        raw = self.forward_backward(seqs, replay=replay)
         step = self.optimizer_step()
         metrics = {k: float(v) for k, v in finalize_metrics(raw).items()} if raw else {}
         metrics.update(step)

@@ -39,8 +39,14 @@ class Sample:
     logprobs: [T] float32 log-probabilities of those tokens under the engine's policy (see each engine's
         docs for whether they are taken before or after temperature scaling).
     finish_reason: why generation stopped.
-    routed_experts: optional [T, num_moe_layers, top_k] int tensor of the experts each response token was
-        routed to (for Routing Replay "R3"); None when not asked for or not an MoE model.
+    routed_experts: optional [T, num_moe_layers, top_k] int tensor: row t holds the experts of the model
+        input position that produced response token t (prompt position P - 1 + t); None when not asked for
+        or not an MoE model.
+    prompt_routed_experts: optional [P - 1, num_moe_layers, top_k] int tensor: the experts of prompt
+        positions 0 .. P - 2 (the prefill), present together with ``routed_experts``. Concatenated,
+        ``[prompt_routed_experts; routed_experts]`` covers every position the engine fed
+        (P + T - 1 rows): what Routing Replay "R3" replays in the training forwards. The samples of one
+        group may share this tensor (one prefill per prompt): do not modify it in place.
     """
 
     prompt_index: int
@@ -48,6 +54,16 @@ class Sample:
     logprobs: list[float]
     finish_reason: FinishReason
     routed_experts: torch.Tensor | None = None
+    prompt_routed_experts: torch.Tensor | None = None
+
+    def all_routed_experts(self) -> torch.Tensor | None:
+        """[P + T - 1, num_moe_layers, top_k]: the experts of every fed position, prompt then response."""
+        if self.routed_experts is None:
+            return None
+        if self.prompt_routed_experts is None:
+            raise ValueError(f"sample of prompt {self.prompt_index}: routed_experts without prompt_routed_experts; "
+                             "the engine did not report the prompt positions' experts")
+        return torch.cat([self.prompt_routed_experts.to(self.routed_experts.dtype), self.routed_experts])
 
 
 class RolloutEngine(abc.ABC):

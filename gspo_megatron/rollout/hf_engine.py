@@ -543,7 +543,11 @@ class HFRolloutEngine(RolloutEngine):
 
         prefill_mask = _prefill_mask(is_token) if padded else None
         logits = _decoder_forward(self.model, arch, input_ids, positions, cache, prefill_mask)
-        routes = recorder.take().view(len(prompts), width, -1, arch.moe_top_k)[:, -1] if record else None
+        prefill_routes = recorder.take().view(len(prompts), width, -1, arch.moe_top_k) if record else None
+        routes = prefill_routes[:, -1] if record else None
+        # prompt i sits right-aligned: its positions 0 .. P_i - 2 are columns width - P_i .. width - 2
+        prompt_routes = ([prefill_routes[i, width - len(p) : width - 1].clone() for i, p in enumerate(prompts)]
+                         if record else None)
 
         rows_total = len(prompts) * group
         cache.repeat_rows(group)
@@ -595,7 +599,8 @@ class HFRolloutEngine(RolloutEngine):
             if record:
                 routes = recorder.take()
             next_position = next_position + 1
-        return self._to_samples(first_prompt_index, group, out_tokens, out_logprobs, out_lengths, out_routes, params)
+        return self._to_samples(first_prompt_index, group, out_tokens, out_logprobs, out_lengths, out_routes,
+                                prompt_routes, params)
 
     def _to_samples(
         self,
@@ -605,6 +610,7 @@ class HFRolloutEngine(RolloutEngine):
         logprobs: torch.Tensor,
         lengths: torch.Tensor,
         routes: torch.Tensor | None,
+        prompt_routes: list[torch.Tensor] | None,
         params: SamplingParams,
     ) -> list[Sample]:
         stop_ids = set(params.stop_token_ids)
@@ -618,6 +624,7 @@ class HFRolloutEngine(RolloutEngine):
                     logprobs=lps[:n],
                     finish_reason="stop" if ids[n - 1] in stop_ids else "length",
                     routed_experts=routes[row, :n].clone() if routes is not None else None,
+                    prompt_routed_experts=prompt_routes[row // group] if prompt_routes is not None else None,
                 )
             )
         return samples

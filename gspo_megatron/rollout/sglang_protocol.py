@@ -180,7 +180,7 @@ def parse_output(output: Any, *, prompt_index: int, prompt_len: int, where: str,
     if prompt_tokens is not None and prompt_tokens != prompt_len:
         # Catches a grouping mistake: the output does not belong to the prompt we think it does.
         raise SGLangProtocolError(f"{where}: prompt_tokens={prompt_tokens} but prompt {prompt_index} has {prompt_len} tokens")
-    routed = None
+    routed = prompt_routed = None
     if routed_experts_shape is not None:
         encoded = meta.get("routed_experts")
         if not isinstance(encoded, str):
@@ -188,9 +188,9 @@ def parse_output(output: Any, *, prompt_index: int, prompt_len: int, where: str,
         layers, top_k = routed_experts_shape
         full = decode_routed_experts(encoded, rows=prompt_len + len(ids) - 1, layers=layers, top_k=top_k, where=where)
         # Row p routes input position p; response token t was produced at position prompt_len - 1 + t.
-        routed = full[prompt_len - 1:]
+        routed, prompt_routed = full[prompt_len - 1:], full[:prompt_len - 1]
     return Sample(prompt_index=prompt_index, response_ids=ids, logprobs=logprobs,
-                  finish_reason=reason, routed_experts=routed)
+                  finish_reason=reason, routed_experts=routed, prompt_routed_experts=prompt_routed)
 
 
 def parse_generate_response(response: Any, request: GenerateRequest, prompts: Sequence[Sequence[int]], *,

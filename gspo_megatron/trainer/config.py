@@ -83,10 +83,6 @@ class TrainSection:
         check(self.prompts_per_step >= 1, f"{path}.prompts_per_step", "must be >= 1")
         check(self.minibatches_per_step >= 1, f"{path}.minibatches_per_step", "must be >= 1")
         check(self.max_tokens_per_microbatch >= 1, f"{path}.max_tokens_per_microbatch", "must be >= 1")
-        # R3 needs the engine's experts for prompt positions too, which the rollout Sample does not carry
-        # yet; refuse rather than silently train without replay
-        check(self.routing_replay != "r3", f"{path}.routing_replay",
-              "r3 (replaying the rollout engine's experts) is not wired into the trainer yet; use off or r2")
 
 
 @dataclasses.dataclass
@@ -162,9 +158,16 @@ class TrainConfig:
         # CP ranks yet (docs/megatron.md): refuse rather than feed every CP rank whole sequences
         check(self.parallel.context_parallel == 1, "parallel.context_parallel",
               "context parallelism is not wired into the trainer yet; use 1")
-        check(self.train.routing_replay == "off" or self.rollout.logprobs_from == "recompute",
+        check(self.train.routing_replay != "r2" or self.rollout.logprobs_from == "recompute",
               "train.routing_replay", "r2 records the experts in the recomputed old-policy forward: "
-              "needs rollout.logprobs_from: recompute")
+              "needs rollout.logprobs_from: recompute (or use r3, the engine's experts)")
+        if self.train.routing_replay != "off" and self.model.config is not None:
+            check(self.model.config.is_moe, "train.routing_replay",
+                  f"{self.train.routing_replay} replays MoE routing; model.config.num_experts is 0 (dense)")
+        launch = self.rollout.sglang.launch if self.rollout.sglang is not None else None
+        if self.train.routing_replay == "r3" and self.rollout.engine == "sglang" and launch is not None:
+            check(launch.enable_return_routed_experts, "rollout.sglang.launch.enable_return_routed_experts",
+                  "must be true with train.routing_replay: r3 (the servers must return the routed experts)")
         responses = self.train.prompts_per_step * self.rollout.samples_per_prompt
         check(responses >= self.train.minibatches_per_step, "train.minibatches_per_step",
               f"must be <= prompts_per_step x samples_per_prompt = {responses}")

@@ -169,13 +169,16 @@ class Trainer:
         self.policy.reset_optimizer()  # RL starts from a fresh Adam state and the RL schedule
 
     # ---- one RL step -----------------------------------------------------------------------------
-    def rollout(self, prompts, seed: int, samples_per_prompt: int, temperature: float, max_new_tokens: int):
+    def rollout(self, prompts, seed: int, samples_per_prompt: int, temperature: float, max_new_tokens: int,
+                routed_experts: bool = False):
         """Generate this DP rank's share of ``prompts``, score it, and gather the whole batch on every
-        rank: a list (in prompt order) of (prompt sample, [sample x G], [reward x G])."""
+        rank: a list (in prompt order) of (prompt sample, [sample x G], [reward x G]). ``routed_experts``:
+        the engine also returns the experts of every fed position (Routing Replay R3)."""
         r = self.config.rollout
         mine = split_for_data_parallel(prompts, self.dp_size, self.dp_rank)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=r.top_p,
-                                top_k=r.top_k, stop_token_ids=[self.tokenizer.eos_token_id], seed=seed)
+                                top_k=r.top_k, stop_token_ids=[self.tokenizer.eos_token_id], seed=seed,
+                                return_routed_experts=routed_experts)
         samples = self._generate([p.prompt_ids for p in mine], samples_per_prompt, params) if mine else []
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         batch = [(mine[i // samples_per_prompt], t) for i, t in enumerate(texts)]
@@ -224,8 +227,10 @@ class Trainer:
 
         # 1-2. rollout and rewards
         prompts = next(self.prompts)
+        replay = cfg.train.routing_replay  # off | r2 (old-policy forward's experts) | r3 (the engine's)
         batch, reward_metrics = self.rollout(prompts, step_seed(cfg.train.seed, self.step, self.dp_rank + 1), G,
-                                             cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+                                             cfg.rollout.temperature, cfg.rollout.max_new_tokens,
+                                             routed_experts=replay == "r3")
         timings["time_rollout_s"] = time.perf_counter() - t0
 
         # 3. group advantages (Eq. 6) over whole groups
@@ -237,28 +242,28 @@ class Trainer:
             for sample, a in zip(samples, advantages.tolist()):
                 tokens = torch.tensor(list(prompt.prompt_ids) + list(sample.response_ids), dtype=torch.long)
                 seqs.append(TrainSequence(tokens, len(prompt.prompt_ids), advantage=a,
-                                          rollout_logprobs=torch.tensor(sample.logprobs, dtype=torch.float32)))
+                                          rollout_logprobs=torch.tensor(sample.logprobs, dtype=torch.float32),
+                                          routed_experts=sample.all_routed_experts() if replay == "r3" else None))
         seqs = [q for q in seqs if q.response_len > 0]
         minibatches = list(iter_minibatches(seqs, cfg.train.minibatches_per_step))
         shares = [split_for_data_parallel(mb, self.dp_size, self.dp_rank) for mb in minibatches]
         my_seqs = [q for share in shares for q in share]
 
-        # 4. old log-probs: recomputed by the training model (default) or the engine's. The first
-        #    mini-batch's forward records the routing (for the drift after one update).
+        # 4. old log-probs: recomputed by the training model (default; under R3 with the engine's experts)
+        #    or the engine's. R2 records the experts of this forward for the update forwards.
         t1 = time.perf_counter()
         # Routing drift "after one gradient update" is read on mini-batch 1: its old-policy forward here
         # is before any update, its update forward comes after exactly one (no extra forward needed).
+        # Under R3 "before" is the engine's routing, so the figure includes the rollout/training mismatch.
         drift = self.model_config.is_moe and cfg.train.measure_routing_drift and len(shares) > 1
-        replay = cfg.train.routing_replay == "r2"
-        recorded: list[list[torch.Tensor] | None] = [None] * len(shares)  # R2: experts per micro-batch
         if cfg.rollout.logprobs_from == "recompute":
             old, routing_before = [], None
             for k, share in enumerate(shares):
-                with self._recorder((drift and k == 1) or replay) as recorder:
-                    old.extend(self.policy.compute_logprobs(share))
+                with self._recorder((drift and k == 1) or replay == "r2") as recorder:
+                    old.extend(self.policy.compute_logprobs(share, replay=replay == "r3"))
                 routing_before = recorder if k == 1 else routing_before
-                if replay:
-                    recorded[k] = recorder.routed_experts()
+                if replay == "r2":
+                    self.policy.record_routing(share, recorder)
             for q, o in zip(my_seqs, old):
                 q.old_logprobs = o["logprobs"]
         else:
@@ -275,13 +280,13 @@ class Trainer:
         update_metrics = []
         metrics: dict[str, float] = {}
         for k, share in enumerate(shares):
-            measure = k == 1 and drift and cfg.rollout.logprobs_from == "recompute" and not replay
+            measure = k == 1 and drift and cfg.rollout.logprobs_from == "recompute" and replay == "off"
             with self._recorder(measure) as routing_after:
-                update_metrics.append(self.policy.train_minibatch(share, routed_experts=recorded[k]))
+                update_metrics.append(self.policy.train_minibatch(share, replay=replay != "off"))
             if measure:
                 # routing drift after one gradient update (paper: ~10% of experts change on Qwen3-30B-A3B)
                 metrics.update(self._routing_drift(share, routing_before, routing_after))
-            if k == 0 and drift and replay and cfg.rollout.logprobs_from == "recompute":
+            if k == 0 and drift and replay != "off" and cfg.rollout.logprobs_from == "recompute":
                 # the update forwards replay the recorded experts, so free routing takes one extra forward
                 with self._recorder(True) as routing_after:
                     self.policy.compute_logprobs(shares[1])

@@ -99,14 +99,26 @@ def _plain_logprobs(rank, world_size, cfg):
     return out
 
 
+def _per_sequence(forwards, plan, lengths, last: bool = False):
+    """RoutingRecorder.routed_experts() (one [b, s, layers, k] per micro-batch) -> per sequence
+    [length - 1, layers, k], every position but the last (what an engine routes; ``last``: all length
+    positions), ids sorted per token."""
+    out = {}
+    for batch, members in zip(forwards, plan):
+        for row, i in enumerate(members):
+            out[i] = batch[row, :lengths[i] - (0 if last else 1)].sort(-1).values
+    return [out[i] for i in range(len(lengths))]
+
+
 def test_routing_replay_r2_in_the_update_forward():
     from tests.megatron.train_workers import replay_after_update
 
     out = run_distributed(replay_after_update, 1, (tiny_moe_config(),))[0]
-    changed = sum(int((out["free"][layer] != out["before"][layer]).any(dim=1).sum()) for layer in out["before"])
-    assert changed > 0  # without replay the update changed some tokens' experts
-    for layer, experts in out["before"].items():
-        assert torch.equal(out["replayed"][layer], experts), layer
+    before, free, replayed = (_per_sequence(out[k], out["plan"], out["lengths"], last=True)
+                              for k in ("before", "free", "replayed"))
+    assert any(not torch.equal(f, b) for f, b in zip(free, before))  # without replay the update changed experts
+    for r, b in zip(replayed, before):  # every token of every sequence (padding is not replayed)
+        assert torch.equal(r, b)
 
 
 def test_nan_gradient_skips_the_update_on_every_rank():
@@ -130,3 +142,23 @@ def test_training_state_checkpoint_moves_between_layouts(tmp_path, save_layout, 
     for name, weight in out["expected"].items():
         # float32 reduction order differs between layouts; Adam turns it into ~1e-5 weight differences
         torch.testing.assert_close(out["got"][name], weight, rtol=1e-3, atol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("layout, ranks", [("ep2", 2)])
+def test_routing_replay_r3_replays_the_engines_experts(layout, ranks):
+    """R3: the old-policy and update forwards use the rollout engine's experts at every position the engine
+    fed (prompt and response), even after an update that changes free routing; with the engine's weights
+    the replayed log-probs equal the engine's."""
+    from tests.megatron.train_workers import replay_rollout_routing
+
+    for out in run_distributed(replay_rollout_routing, ranks, (tiny_moe_config(), layout)):
+        engine = [e.to(torch.long).sort(-1).values for e in out["engine"]]
+        assert [e.shape[0] for e in engine] == [n - 1 for n in out["lengths"]]
+        before = _per_sequence(out["replayed_before"], out["plan"], out["lengths"])
+        after = _per_sequence(out["replayed_after"], out["plan"], out["lengths"])
+        free = _per_sequence(out["free_after"], out["plan"], out["lengths"])
+        for e, b, a in zip(engine, before, after):
+            assert torch.equal(b, e) and torch.equal(a, e)
+        assert any(not torch.equal(f, e) for f, e in zip(free, engine))  # without replay routing moved
+        for got, want in zip(out["replayed_logprobs"], out["engine_logprobs"]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

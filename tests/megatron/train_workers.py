@@ -87,15 +87,17 @@ def replay_after_update(rank, world_size, model_config) -> dict:
     seqs = make_sequences(model_config)
     with RoutingRecorder(policy.module) as before:
         olds = policy.compute_logprobs(seqs)
+    policy.record_routing(seqs, before)
     for q, o in zip(seqs, olds):
         q.old_logprobs = o["logprobs"]
     policy.train_minibatch(seqs)  # a big step: the routers move
     with RoutingRecorder(policy.module) as free:
         policy.compute_logprobs(seqs)
     with RoutingRecorder(policy.module) as replayed:
-        policy.forward_backward(seqs, routed_experts=before.routed_experts())
+        policy.forward_backward(seqs, replay=True)
     assert ps.get_data_parallel_world_size() == 1
-    return {"before": before.experts, "free": free.experts, "replayed": replayed.experts}
+    return {"before": before.routed_experts(), "free": free.routed_experts(), "replayed": replayed.routed_experts(),
+            "plan": policy._local_plan(seqs), "lengths": [int(q.tokens.numel()) for q in seqs]}
 
 
 def nan_gradient_is_skipped(rank, world_size, model_config) -> dict:
@@ -152,3 +154,41 @@ def training_state_across_layouts(rank, world_size, model_config, save_layout: s
     second_resumed = step(resumed, load_layout)
     return {"expected": expected, "lr": (second["lr"], second_resumed["lr"]),
             "got": sharding.full_state_dict(resumed.module, model_config.vocab_size)}
+
+
+def replay_rollout_routing(rank, world_size, model_config, layout: str) -> dict:
+    """R3 through PolicyModel and the transformers engine: sync the policy's weights into the engine,
+    sample with routed experts, then the training forwards replay the engine's experts at every fed
+    position -- before and after a large optimizer step that changes free routing."""
+    from gspo_megatron.megatron.routing import RoutingRecorder
+    from gspo_megatron.rollout.base import SamplingParams
+    from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+    from gspo_megatron.rollout.weight_sync import sync_weights
+
+    parallel = LAYOUTS[layout]
+    initialize_model_parallel(parallel, seed=0)
+    policy = PolicyModel(model_config, parallel, OptimizerConfig(lr=0.5, clip_grad=0.0), LossConfig(algorithm="grpo"))
+    sharding.load_full_state_dict(policy.module, canonical_weights(model_config, seed=1))
+    engine = HFRolloutEngine(model_config.to_hf_config(), init_seed=100 + rank)
+    sync_weights(policy.ddp, model_config, engine)
+    prompts = [[3, 9, 4], [7, 1, 8, 2, 6], [5]]
+    samples = engine.generate(prompts, 2, SamplingParams(max_new_tokens=7, seed=3, return_routed_experts=True))
+    seqs = [TrainSequence(torch.tensor(prompts[s.prompt_index] + s.response_ids), len(prompts[s.prompt_index]),
+                          advantage=float(i % 3) - 1.0, routed_experts=s.all_routed_experts())
+            for i, s in enumerate(samples)]
+    out = {"engine": [q.routed_experts.clone() for q in seqs], "lengths": [int(q.tokens.numel()) for q in seqs],
+           "engine_logprobs": [torch.tensor(s.logprobs) for s in samples]}
+    with RoutingRecorder(policy.module) as rec:
+        olds = policy.compute_logprobs(seqs, replay=True)
+    out["replayed_before"] = rec.routed_experts()
+    out["replayed_logprobs"] = [o["logprobs"] for o in olds]
+    for q, o in zip(seqs, olds):
+        q.old_logprobs = o["logprobs"]
+    policy.train_minibatch(seqs, replay=True)  # a big step: free routing moves
+    with RoutingRecorder(policy.module) as free:
+        policy.compute_logprobs(seqs)
+    with RoutingRecorder(policy.module) as replayed:
+        policy.forward_backward(seqs, replay=True)
+    out["free_after"], out["replayed_after"] = free.routed_experts(), replayed.routed_experts()
+    out["plan"] = policy._local_plan(seqs)
+    return out

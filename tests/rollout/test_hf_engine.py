@@ -74,8 +74,10 @@ def teacher_forced_logits(model, prompt: list[int], response: list[int]) -> torc
     return logits[len(prompt) - 1 : len(prompt) - 1 + len(response)]
 
 
-def teacher_forced_routes(eng: HFRolloutEngine, prompt: list[int], response: list[int]) -> torch.Tensor:
-    """[T, num_moe_layers, top_k] expert ids at the positions that predicted each response token."""
+def teacher_forced_routes(eng: HFRolloutEngine, prompt: list[int], response: list[int],
+                          *, whole: bool = False) -> torch.Tensor:
+    """[T, num_moe_layers, top_k] expert ids at the positions that predicted each response token
+    (``whole``: [P + T - 1, ...], every position but the last)."""
     model = eng.model
     gates = [layer.mlp.gate for layer in model.model.layers if "experts" in dict(layer.mlp.named_children())]
     seen: list[torch.Tensor] = []
@@ -86,6 +88,8 @@ def teacher_forced_routes(eng: HFRolloutEngine, prompt: list[int], response: lis
         for h in handles:
             h.remove()
     routes = torch.stack(seen, dim=1)  # [seq, layers, k]
+    if whole:
+        return routes[: len(prompt) + len(response) - 1]
     return routes[len(prompt) - 1 : len(prompt) - 1 + len(response)]
 
 
@@ -125,12 +129,18 @@ def test_routed_experts_match_a_separate_forward(family):
         expected = teacher_forced_routes(eng, PROMPTS[s.prompt_index], s.response_ids)
         assert torch.equal(s.routed_experts.sort(-1).values, expected.to(torch.int32).sort(-1).values)
         distinct.update(tuple(r) for r in s.routed_experts.reshape(-1, top_k).tolist())
+        # R3 needs the prompt positions too: from the (left-padded, batched) prefill
+        prompt = PROMPTS[s.prompt_index]
+        assert s.prompt_routed_experts.shape == (len(prompt) - 1, num_layers, top_k)
+        whole = teacher_forced_routes(eng, prompt, s.response_ids, whole=True)
+        assert torch.equal(s.all_routed_experts().sort(-1).values, whole.to(torch.int32).sort(-1).values)
     assert len(distinct) > 2  # routing varies, so the comparison above means something
 
 
 def test_routed_experts_absent_unless_asked_or_dense():
     samples = engine("qwen3_moe").generate(PROMPTS, 1, SamplingParams(max_new_tokens=3, seed=0))
-    assert all(s.routed_experts is None for s in samples)
+    assert all(s.routed_experts is None and s.prompt_routed_experts is None for s in samples)
+    assert all(s.all_routed_experts() is None for s in samples)
     dense = engine("qwen3").generate(PROMPTS, 1, SamplingParams(max_new_tokens=3, seed=0, return_routed_experts=True))
     assert all(s.routed_experts is None for s in dense)
 

@@ -132,6 +132,9 @@ def test_routed_experts_are_decoded_and_cut_to_the_response_positions():
     assert sample.routed_experts.shape == (4, 3, 2) and sample.routed_experts.dtype == torch.int32
     # response token t was produced at input position prompt_len - 1 + t
     assert sample.routed_experts[0, 0, 0].item() == 400 and sample.routed_experts[3, 2, 1].item() == 721
+    # the prompt positions 0 .. 3 (R3 replays them too); together every fed position, in order
+    assert sample.prompt_routed_experts.shape == (4, 3, 2) and sample.prompt_routed_experts[3, 1, 0].item() == 310
+    assert sample.all_routed_experts()[:, 0, 0].tolist() == [p * 100 for p in range(8)]
     with pytest.raises(SGLangProtocolError, match="routed_experts_layers"):
         decode_routed_experts(_routed(8, 3, 2), rows=8, layers=4, top_k=2, where="t")
     out["meta_info"].pop("routed_experts")

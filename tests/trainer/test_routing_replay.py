@@ -1,0 +1,88 @@
+"""Routing Replay in the trainer: under R3 the rollout engine's experts (prompt and response positions)
+reach the training forwards and are the ones used; under R2 the old-policy forward's are."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo_megatron.testing.distributed import run_distributed
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
+
+
+def replayed_step(rank, world_size, run_dir: str, mode: str) -> dict:
+    from gspo_megatron.megatron.routing import RoutingRecorder
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.trainer.loop import Trainer
+
+    overrides = ["sft.steps=0", "train.steps=1", "logging.console=false", "logging.tensorboard=false",
+                 "train.prompts_per_step=4", f"train.routing_replay={mode}", "optimizer.lr=0.05",
+                 "loss.entropy_coef=0.5"]  # rewards are 0 before the warm start: the entropy term moves the weights
+    if world_size == 2:
+        overrides.append("parallel.expert_parallel=2")
+    trainer = Trainer(load_config(DEMO, overrides), run_dir)
+    engine_rows: list[torch.Tensor] = []
+    real_generate = trainer.engine.generate
+
+    def generate(prompts, samples_per_prompt, params):
+        samples = real_generate(prompts, samples_per_prompt, params)
+        engine_rows.extend(s.all_routed_experts() for s in samples if s.routed_experts is not None)
+        return samples
+
+    trainer.engine.generate = generate
+    checks = {"replayed": 0, "mismatched": 0, "free_differs": 0, "given": [], "flags": []}
+    real_train = trainer.policy.train_minibatch
+
+    def train_minibatch(seqs, replay=False):
+        checks["flags"].append(replay)
+        checks["given"].extend(q.routed_experts.clone() for q in seqs if q.routed_experts is not None)
+        with RoutingRecorder(trainer.policy.module) as free:  # routing the current weights would pick
+            trainer.policy.compute_logprobs(seqs)
+        with RoutingRecorder(trainer.policy.module) as rec:
+            metrics = real_train(seqs, replay=replay)
+        plan = trainer.policy._local_plan(seqs)
+        for name, forwards in (("replayed", rec.routed_experts()), ("free", free.routed_experts())):
+            for batch, members in zip(forwards, plan):
+                for row, i in enumerate(members):
+                    q = seqs[i]
+                    rows = q.routed_experts.shape[0]
+                    same = torch.equal(batch[row, :rows].sort(-1).values, q.routed_experts.long().sort(-1).values)
+                    if name == "replayed":
+                        checks["replayed" if same else "mismatched"] += 1
+                    else:
+                        checks["free_differs"] += int(not same)
+        return metrics
+
+    trainer.policy.train_minibatch = train_minibatch
+    metrics = trainer.train_step()
+    trainer.close()
+    return {**checks, "engine_rows": engine_rows, "metrics": metrics}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, ranks", [("r3", 2), ("r2", 1)])
+def test_update_forwards_replay_the_recorded_experts(tmp_path, mode, ranks):
+    outs = run_distributed(replayed_step, ranks, (str(tmp_path), mode))
+    # each DP rank generates its share of the prompts; the update shares are cut from the gathered batch
+    engine = {tuple(r.flatten().tolist()) for out in outs for r in out["engine_rows"]}
+    for out in outs:
+        assert out["flags"] and all(out["flags"])
+        assert out["mismatched"] == 0 and out["replayed"] == len(out["given"]) > 0
+        # the first update moves the weights, so free routing differs for some later sequence: replay mattered
+        assert out["free_differs"] > 0
+        if mode == "r3":  # every sequence trains on exactly the engine's rows: prompt + response - 1 positions
+            assert all(tuple(g.flatten().tolist()) in engine for g in out["given"])
+        else:
+            assert out["engine_rows"] == []
+        assert "routing_drift" in out["metrics"] and 0.0 <= out["metrics"]["routing_drift"] <= 1.0
+
+
+def test_r3_config_checks():
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.typed_config import ConfigError
+
+    assert load_config(DEMO, ["train.routing_replay=r3", "rollout.logprobs_from=engine"]).train.routing_replay == "r3"
+    with pytest.raises(ConfigError, match=r"^train\.routing_replay: r2 records"):
+        load_config(DEMO, ["train.routing_replay=r2", "rollout.logprobs_from=engine"])
+    with pytest.raises(ConfigError, match=r"^train\.routing_replay: r3 replays MoE routing"):
+        load_config(DEMO, ["train.routing_replay=r3", "model.config.num_experts=0"])
