@@ -70,7 +70,8 @@ def moe_layer_numbers(config) -> list[int]:
     return [i for i, is_moe in enumerate(freq) if is_moe]
 
 
-def _moe_index(config) -> dict[int, int]:
+def moe_layer_index(config) -> dict[int, int]:
+    """Global layer index -> its index j among the MoE layers (the per-sample layout's layer axis)."""
     return {layer: j for j, layer in enumerate(moe_layer_numbers(config))}
 
 
@@ -142,7 +143,7 @@ class RoutingRecorder:
         self.experts: dict[int, Tensor] = {}
         self._per_forward: dict[int, list[Tensor]] = {}
         config = next(iter(self._routers.values())).config if self._routers else None
-        self._moe_index = _moe_index(config) if config is not None else {}
+        self._moe_index = moe_layer_index(config) if config is not None else {}
         self.top_k = config.moe_router_topk if config is not None else 0
 
     def __enter__(self) -> "RoutingRecorder":
@@ -376,7 +377,7 @@ class RoutingReplay:
         self._handles: list = []
         self._pending: dict[int, list[int]] = {}  # layer -> expected token counts of queued targets
         config = next(iter(self._routers.values())).config if self._routers else None
-        self._moe_index = _moe_index(config) if config is not None else {}
+        self._moe_index = moe_layer_index(config) if config is not None else {}
         self._num_experts = config.num_moe_experts if config is not None else 0
         if config is not None:
             _check_replayable(config)

@@ -319,6 +319,20 @@ class PolicyModel:
         rows = [q.routed_experts for q in members] + [empty] * (b - len(members))
         return experts_to_batch(rows, s, num_experts=self.model_config.num_experts)
 
+    def sequence_routing(self, seqs: Sequence[TrainSequence], recorder) -> list[torch.Tensor]:
+        """Per sequence, the [len(tokens), num_moe_layers, top_k] experts ``recorder`` (a RoutingRecorder
+        around one ``compute_logprobs(seqs)`` or ``forward_backward(seqs)``) saw; layers of other pipeline
+        stages hold NO_EXPERT."""
+        plan, routed = self._local_plan(seqs), recorder.routed_experts()
+        if len(routed) < len(plan):
+            raise ValueError(f"sequence_routing: the recorder saw {len(routed)} forwards for {len(plan)} "
+                             "micro-batches; wrap exactly one forward call on these sequences")
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        for members, batch in zip(plan, routed):
+            for row, i in enumerate(members):
+                out[i] = batch[row, :int(seqs[i].tokens.numel())]
+        return out
+
     def record_routing(self, seqs: Sequence[TrainSequence], recorder) -> None:
         """Routing Replay R2: store in each sequence the experts ``recorder`` (a RoutingRecorder around
         ``compute_logprobs(seqs)``) saw; later ``forward_backward(seqs, replay=True)`` forces them.
@@ -326,15 +340,9 @@ class PolicyModel:
         Layers of other pipeline stages hold placeholder experts 0 .. top_k-1 (never replayed here)."""
         from gspo_megatron.megatron.routing import NO_EXPERT
 
-        plan, routed = self._local_plan(seqs), recorder.routed_experts()
-        if len(routed) < len(plan):
-            raise ValueError(f"record_routing: the recorder saw {len(routed)} forwards for {len(plan)} micro-batches; "
-                             "wrap exactly one compute_logprobs(seqs) call")
         fill = torch.arange(self.model_config.moe_router_topk)
-        for members, batch in zip(plan, routed):
-            for row, i in enumerate(members):
-                rows = batch[row, :int(seqs[i].tokens.numel())]
-                seqs[i].routed_experts = torch.where(rows == NO_EXPERT, fill, rows)
+        for q, rows in zip(seqs, self.sequence_routing(seqs, recorder)):
+            q.routed_experts = torch.where(rows == NO_EXPERT, fill, rows)
 
     def _replay(self, replay: bool):
         """A RoutingReplay on this model (None when off); use with ``_microbatches(..., replay=True)``."""

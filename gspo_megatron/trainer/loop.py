@@ -250,20 +250,22 @@ class Trainer:
         my_seqs = [q for share in shares for q in share]
 
         # 4. old log-probs: recomputed by the training model (default; under R3 with the engine's experts)
-        #    or the engine's. R2 records the experts of this forward for the update forwards.
+        #    in one call for the whole step, or the engine's. R2 records the experts of this forward.
         t1 = time.perf_counter()
         # Routing drift "after one gradient update" is read on mini-batch 1: its old-policy forward here
         # is before any update, its update forward comes after exactly one (no extra forward needed).
         # Under R3 "before" is the engine's routing, so the figure includes the rollout/training mismatch.
-        drift = self.model_config.is_moe and cfg.train.measure_routing_drift and len(shares) > 1
+        drift = (self.model_config.is_moe and cfg.train.measure_routing_drift and len(shares) > 1
+                 and cfg.rollout.logprobs_from == "recompute")
+        routing_before: dict[int, torch.Tensor] = {}
         if cfg.rollout.logprobs_from == "recompute":
-            old, routing_before = [], None
-            for k, share in enumerate(shares):
-                with self._recorder((drift and k == 1) or replay == "r2") as recorder:
-                    old.extend(self.policy.compute_logprobs(share, replay=replay == "r3"))
-                routing_before = recorder if k == 1 else routing_before
-                if replay == "r2":
-                    self.policy.record_routing(share, recorder)
+            with self._recorder(drift or replay == "r2") as recorder:
+                old = self.policy.compute_logprobs(my_seqs, replay=replay == "r3")
+            if drift or replay == "r2":
+                rows = self.policy.sequence_routing(my_seqs, recorder)
+                routing_before = {id(q): r for q, r in zip(my_seqs, rows)}
+            if replay == "r2":
+                self.policy.record_routing(my_seqs, recorder)
             for q, o in zip(my_seqs, old):
                 q.old_logprobs = o["logprobs"]
         else:
@@ -280,13 +282,13 @@ class Trainer:
         update_metrics = []
         metrics: dict[str, float] = {}
         for k, share in enumerate(shares):
-            measure = k == 1 and drift and cfg.rollout.logprobs_from == "recompute" and replay == "off"
+            measure = k == 1 and drift and replay == "off"
             with self._recorder(measure) as routing_after:
                 update_metrics.append(self.policy.train_minibatch(share, replay=replay != "off"))
             if measure:
                 # routing drift after one gradient update (paper: ~10% of experts change on Qwen3-30B-A3B)
                 metrics.update(self._routing_drift(share, routing_before, routing_after))
-            if k == 0 and drift and replay != "off" and cfg.rollout.logprobs_from == "recompute":
+            if k == 0 and drift and replay != "off":
                 # the update forwards replay the recorded experts, so free routing takes one extra forward
                 with self._recorder(True) as routing_after:
                     self.policy.compute_logprobs(shares[1])
@@ -332,15 +334,27 @@ class Trainer:
         sp_group = ps.get_tensor_model_parallel_group() if self.config.parallel.use_sequence_parallel else None
         return RoutingRecorder(self.policy.module, sequence_parallel_group=sp_group)
 
-    def _routing_drift(self, share: list[TrainSequence], before, after) -> dict[str, float]:
+    def _routing_drift(self, share: list[TrainSequence], before: dict[int, torch.Tensor], after) -> dict[str, float]:
         """Fraction of (response token, layer) top-k expert sets that changed between the old-policy
-        forward and the update forward after one optimizer step, over the same tokens."""
+        forward (``before``: per-sequence rows keyed by id) and a forward of ``share`` after one optimizer
+        step (``after``: its RoutingRecorder), over the same tokens."""
         from megatron.core import parallel_state as ps
 
-        from gspo_megatron.megatron.routing import drift_fractions, reduce_drift, routing_drift
+        from gspo_megatron.megatron.routing import (drift_fractions, moe_layer_index, moe_routers, reduce_drift,
+                                                    routing_drift)
 
-        mask = torch.cat([mb["loss_mask"].reshape(-1) for mb in self.policy._microbatches(share)])
-        stats = routing_drift(before.experts, after.experts, mask)
+        index = moe_layer_index(self.policy.module.config)
+        layers = sorted(moe_routers(self.policy.module))  # this pipeline stage's MoE layers
+        # the response tokens' label positions: where the log-probs (and the loss) are read
+        response = [slice(q.prompt_len - 1, int(q.tokens.numel()) - 1) for q in share]
+
+        def by_layer(rows_per_seq):
+            return {layer: torch.cat([rows[cut, index[layer]] for rows, cut in zip(rows_per_seq, response)])
+                    for layer in layers}
+
+        stats = routing_drift(by_layer([before[id(q)] for q in share]),
+                              by_layer(self.policy.sequence_routing(share, after)),
+                              num_layers=self.model_config.num_layers)
         stats = reduce_drift(stats, ps.get_data_parallel_group())
         fractions = drift_fractions(stats)
         out = {"routing_drift": float(fractions["overall"])}
