@@ -220,11 +220,14 @@ def _from_last_stage(obj):
 class PolicyModel:
     """A Megatron GPTModel under DDP with its optimizer and LR schedule, and the GSPO update on it.
 
+    ``frozen=True`` builds the model alone (no DDP gradient buffers, no optimizer, parameters without
+    gradients): the KL reference, which only runs ``compute_logprobs``.
     Process groups come from Megatron's parallel state, which ``initialize_model_parallel`` set up.
     """
 
     def __init__(self, model_config, parallel, optim: OptimizerConfig, loss: LossConfig,
-                 max_tokens_per_microbatch: int = 4096, logprob_chunk_bytes: int = LOGPROB_CHUNK_BYTES):
+                 max_tokens_per_microbatch: int = 4096, logprob_chunk_bytes: int = LOGPROB_CHUNK_BYTES,
+                 frozen: bool = False):
         from gspo_megatron.megatron.model import build_model, wrap_ddp
 
         self.model_config, self.parallel, self.optim_config, self.loss_config = model_config, parallel, optim, loss
@@ -232,9 +235,14 @@ class PolicyModel:
         self.logprob_chunk_bytes = logprob_chunk_bytes
         self.module = build_model(model_config, parallel)
         self.module.config.variable_seq_lengths = True  # micro-batches differ in shape (packing)
+        self.frozen = frozen
+        self.skipped_steps = 0
+        if frozen:
+            self.module.requires_grad_(False)
+            self.ddp = self.optimizer = self.scheduler = None
+            return
         self.ddp = wrap_ddp(self.module, parallel)
         self.reset_optimizer()
-        self.skipped_steps = 0
 
     def reset_optimizer(self, lr: float | None = None) -> None:
         """A fresh Megatron optimizer (Adam state empty) and LR schedule; ``lr`` overrides the config's
@@ -363,11 +371,21 @@ class PolicyModel:
         with replay:
             return self._run(microbatches, forward_step, forward_only)
 
+    def _require_trainable(self, what: str) -> None:
+        if self.frozen:
+            raise ValueError(f"{what}: this PolicyModel is frozen (the KL reference); it only runs forward-only "
+                             "passes (compute_logprobs)")
+
+    @property
+    def _runner(self) -> torch.nn.Module:
+        """What the schedule runs: the DDP wrapper, or the bare model when frozen."""
+        return self.module if self.frozen else self.ddp
+
     def _run(self, microbatches: list[dict], forward_step, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.ddp],
+            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self._runner],
             num_microbatches=len(microbatches), seq_length=max(m["input_ids"].shape[1] for m in microbatches),
             micro_batch_size=max(m["input_ids"].shape[0] for m in microbatches), forward_only=forward_only)
 
@@ -401,9 +419,9 @@ class PolicyModel:
 
             return output, loss_func
 
-        self.ddp.eval()
+        self._runner.eval()
         self._run_replayed(router_replay, microbatches, forward_step, forward_only=True)
-        self.ddp.train()
+        self._runner.train()
         results: list[dict] = [dict() for _ in seqs]
         if ps.is_pipeline_last_stage():
             for indices, logp, entropy in collected:
@@ -425,6 +443,7 @@ class PolicyModel:
         """
         from megatron.core import parallel_state as ps
 
+        self._require_trainable("forward_backward")
         dp_group = ps.get_data_parallel_group()
         dp = ps.get_data_parallel_world_size()
         if normalisers is None:
@@ -466,6 +485,7 @@ class PolicyModel:
         whole mini-batch (global token count), for the warm start before RL."""
         from megatron.core import parallel_state as ps
 
+        self._require_trainable("sft_forward_backward")
         normalisers = global_normalisers(seqs, ps.get_data_parallel_group())
         microbatches = self._microbatches(seqs)
         scale = len(microbatches) * ps.get_data_parallel_world_size()
@@ -506,6 +526,7 @@ class PolicyModel:
 
     def optimizer_step(self) -> dict:
         """Clip, step, advance the LR schedule. A non-finite gradient anywhere skips the update (counted)."""
+        self._require_trainable("optimizer_step")
         if not self.grads_finite():
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()

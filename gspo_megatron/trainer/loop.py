@@ -71,7 +71,8 @@ class Trainer:
         if config.loss.kl_coef > 0:
             # a frozen copy of the initial weights; built only when the KL term is on
             self.reference = PolicyModel(self.model_config, config.parallel, config.optimizer, config.loss,
-                                         max_tokens_per_microbatch=config.train.max_tokens_per_microbatch)
+                                         max_tokens_per_microbatch=config.train.max_tokens_per_microbatch,
+                                         frozen=True)
         self.engine = self._build_engine()
         self.train_data, self.eval_data = load_prompt_datasets(config.data, self.tokenizer)
         self.prompts = PromptIterator(self.train_data, config.train.prompts_per_step, seed=config.data.seed,
