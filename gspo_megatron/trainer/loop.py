@@ -180,7 +180,7 @@ class Trainer:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=r.top_p,
                                 top_k=r.top_k, stop_token_ids=[self.tokenizer.eos_token_id], seed=seed,
                                 return_routed_experts=routed_experts)
-        samples = self._generate([p.prompt_ids for p in mine], samples_per_prompt, params) if mine else []
+        samples = self._generate([p.prompt_ids for p in mine], samples_per_prompt, params)
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         batch = [(mine[i // samples_per_prompt], t) for i, t in enumerate(texts)]
         rewards, reward_metrics = self.rewards.score(batch) if batch else ([], {})
@@ -202,21 +202,34 @@ class Trainer:
     MAX_ENGINE_RESTARTS_PER_CALL = 2
 
     def _generate(self, prompt_ids, samples_per_prompt: int, params: SamplingParams):
-        """engine.generate, restarting a failed engine (rebuilt, weights re-synced from the policy) up to
-        MAX_ENGINE_RESTARTS_PER_CALL times; each restart is counted in faults/engine_restarts. When it still
-        fails, the last error propagates with the restart count in the message."""
+        """engine.generate, restarting failed engines (rebuilt, weights re-synced from the policy) up to
+        MAX_ENGINE_RESTARTS_PER_CALL times; each rebuilt engine is counted in faults/engine_restarts. When
+        it still fails, the last error propagates with the restart count in the message.
+
+        Every rank calls this, with or without prompts: the re-sync is a collective over the model's
+        groups, so one all-reduce per attempt tells every rank whether any engine failed, the failed ranks
+        rebuild theirs, and all ranks re-sync together (the healthy engines get the same weights again)."""
         for attempt in range(self.MAX_ENGINE_RESTARTS_PER_CALL + 1):
-            try:
-                return self.engine.generate(prompt_ids, samples_per_prompt, params)
-            except Exception as err:  # noqa: BLE001 - contained: counted, engine rebuilt, re-raised at the limit
-                if attempt == self.MAX_ENGINE_RESTARTS_PER_CALL:
-                    raise RuntimeError(f"rollout engine failed after {attempt} restarts: {err}") from err
-                print(f"rank {self.rank}: rollout engine failed ({type(err).__name__}: {err}); restarting it",
+            samples, error = [], None
+            if prompt_ids:
+                try:
+                    samples = self.engine.generate(prompt_ids, samples_per_prompt, params)
+                except Exception as err:  # noqa: BLE001 - contained: counted, engine rebuilt, re-raised at the limit
+                    error = err
+            failed = torch.tensor([0 if error is None else 1])
+            dist.all_reduce(failed)
+            if int(failed) == 0:
+                return samples
+            reason = str(error) if error is not None else f"the engine of {int(failed)} other rank(s) failed"
+            if attempt == self.MAX_ENGINE_RESTARTS_PER_CALL:
+                raise RuntimeError(f"rollout engine failed after {attempt} restarts: {reason}") from error
+            if error is not None:
+                print(f"rank {self.rank}: rollout engine failed ({type(error).__name__}: {error}); restarting it",
                       flush=True)
                 self.engine.shutdown()
                 self.engine = self._build_engine()
-                self._push_weights()
-                self.faults["engine_restarts"] += 1
+            self.sync_weights()
+            self.faults["engine_restarts"] += int(failed)
         raise AssertionError("unreachable")
 
     def train_step(self) -> dict[str, float]:
@@ -367,16 +380,6 @@ class Trainer:
         from gspo_megatron.rollout.weight_sync import sync_weights
 
         return sync_weights(self.policy.ddp, self.model_config, self.engine)
-
-    def _push_weights(self) -> None:
-        """Weights into a rebuilt engine. The export is a collective over the model's groups, which the
-        other ranks are not in while one rank restarts its engine: with several ranks, stop with a clear
-        error instead (the job resumes from its last checkpoint)."""
-        if dist.get_world_size() == 1:
-            self.sync_weights()
-            return
-        raise RuntimeError("rollout engine restart with several ranks needs a collective re-sync; "
-                           "not supported yet: restart the job (it resumes from the last checkpoint)")
 
     def evaluate(self) -> dict[str, float]:
         """Greedy pass@1 (temperature 0: argmax decoding in both engines) and sampled pass@k on the held-out prompts."""

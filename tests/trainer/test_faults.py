@@ -9,12 +9,15 @@ from gspo_megatron.testing.distributed import run_distributed
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
 
 
-def engine_failures(rank, world_size, run_dir: str, failures: int) -> dict:
+def engine_failures(rank, world_size, run_dir: str, failures: int, failing_rank: int = 0) -> dict:
     from gspo_megatron.trainer.config import load_config
     from gspo_megatron.trainer.loop import Trainer
 
-    config = load_config(DEMO, ["sft.steps=0", "train.steps=1", "logging.console=false", "logging.tensorboard=false",
-                                "train.prompts_per_step=4"])
+    overrides = ["sft.steps=0", "train.steps=1", "logging.console=false", "logging.tensorboard=false",
+                 "train.prompts_per_step=4"]
+    if world_size == 2:
+        overrides.append("parallel.expert_parallel=2")  # the re-sync gathers expert shards from both ranks
+    config = load_config(DEMO, overrides)
     trainer = Trainer(config, run_dir)
     broken = trainer.engine
     calls = {"n": 0}
@@ -22,7 +25,7 @@ def engine_failures(rank, world_size, run_dir: str, failures: int) -> dict:
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] <= failures:
+        if rank == failing_rank and calls["n"] <= failures:
             raise ConnectionError("engine died")
         return real_generate(*args, **kwargs)
 
@@ -46,3 +49,15 @@ def test_failed_engine_is_restarted_then_gives_up(tmp_path):
     many = run_distributed(engine_failures, 1, (str(tmp_path / "b"), 5))[0]
     assert not many["ok"] and many["restarts"] == 2
     assert "rollout engine failed after 2 restarts: engine died" in many["error"]
+
+
+@pytest.mark.slow
+def test_one_ranks_engine_fails_every_rank_resyncs(tmp_path):
+    """Two ranks (EP=2): rank 1's engine dies once; both ranks re-sync together (a collective), the step
+    finishes on both; when it keeps failing, both ranks stop with the error."""
+    runs = run_distributed(engine_failures, 2, (str(tmp_path / "a"), 1, 1))
+    assert all(r["ok"] and r["restarts"] == 1 for r in runs)
+    assert runs[0]["version"] >= 2 and runs[1]["version"] >= 2  # both engines were re-synced
+    runs = run_distributed(engine_failures, 2, (str(tmp_path / "b"), 5, 1))
+    assert all(not r["ok"] and r["restarts"] == 2 for r in runs)
+    assert "engine died" in runs[1]["error"] and "other rank(s) failed" in runs[0]["error"]
