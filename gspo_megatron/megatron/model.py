@@ -93,33 +93,58 @@ def _replace_in_spec(spec, old: type, new: type):
     return spec
 
 
-def layer_spec(model: ModelConfig, config):
-    """The decoder spec: Transformer Engine modules on GPU; on CPU Megatron's local modules with a
-    sequence-parallel-capable RMSNorm in every norm slot, including the final one (given as a
-    TransformerBlockSubmodules, since the block otherwise picks its final norm from a module global)."""
-    from megatron.core.models.gpt import gpt_layer_specs
+def local_layer_spec(model: ModelConfig, fast_modules: bool = True):
+    """One decoder layer of Megatron's local (non-TE) spec for ``model``, as used on CPU.
 
-    experts = model.num_experts if model.is_moe else None
-    if torch.cuda.is_available():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=model.is_moe, qk_layernorm=model.qk_layernorm)
+    Every norm slot holds the sequence-parallel-capable RMSNorm (``cpu_runtime``). With ``fast_modules``
+    the core attention is ``cpu_modules.SDPAttention`` and the experts ``cpu_modules.FunctionalSequentialMLP``:
+    subclasses of Megatron's ``DotProductAttention`` / ``SequentialMLP`` with the same parameters and state
+    dict and a cheaper forward (``docs/cpu-runtime.md``). ``fast_modules=False`` keeps Megatron's own
+    modules (the reference in tests and benchmarks).
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    from gspo_megatron.megatron import cpu_modules
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=model.num_experts if model.is_moe else None, moe_grouped_gemm=False,
+        qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
+    spec = _replace_in_spec(spec, WrappedTorchNorm, cpu_runtime.local_norm_class())
+    if fast_modules:
+        spec = _replace_in_spec(spec, DotProductAttention, cpu_modules.SDPAttention)
+        spec = _replace_in_spec(spec, SequentialMLP, cpu_modules.FunctionalSequentialMLP)
+    return spec
+
+
+def layer_spec(model: ModelConfig, config, fast_cpu_modules: bool = True):
+    """The decoder spec: Transformer Engine modules on GPU; on CPU ``local_layer_spec`` in every layer and
+    the sequence-parallel-capable RMSNorm as the final norm (given as a TransformerBlockSubmodules, since
+    the block otherwise picks its final norm from a module global). ``fast_cpu_modules=False`` builds the
+    CPU spec with Megatron's own attention and experts (reference for tests and benchmarks)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if torch.cuda.is_available():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model.num_experts if model.is_moe else None, moe_grouped_gemm=model.is_moe,
+            qk_layernorm=model.qk_layernorm)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    norm = cpu_runtime.local_norm_class()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
-    spec = _replace_in_spec(spec, WrappedTorchNorm, norm)
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm)
+    spec = local_layer_spec(model, fast_cpu_modules)
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                      layer_norm=cpu_runtime.local_norm_class())
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32,
-                max_sequence_length: int | None = None):
+                max_sequence_length: int | None = None, fast_cpu_modules: bool = True):
     """One GPTModel for this rank's pipeline stage (Megatron parallel state must be initialised).
 
     Returns the bare GPTModel; wrap it with Megatron DDP for training (``megatron/train.py``).
     Logits come out vocab-parallel ([s, b, padded_vocab / TP]) so log-probs never gather the vocabulary.
+    ``fast_cpu_modules=False`` uses Megatron's own core attention and experts on CPU (``layer_spec``);
+    parameter names, shapes and state dicts are the same either way.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -128,7 +153,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: torc
     config = transformer_config(model, parallel, params_dtype)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model, config),
+        transformer_layer_spec=layer_spec(model, config, fast_cpu_modules),
         vocab_size=model.padded_vocab_size(parallel.tensor_parallel),
         max_sequence_length=max_sequence_length or model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

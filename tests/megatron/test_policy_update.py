@@ -64,8 +64,10 @@ def test_optimizer_steps_match(reference, parallel_runs, layout):
     assert [s["update_skipped"] for s in out["steps"]] == [0.0, 0.0]
     for a, b in zip(out["steps"], single["steps"]):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
+    # atol = 1% of one Adam step (lr 1e-2): for an element whose gradient is near Adam's eps (~1e-7),
+    # g / (|g| + eps) turns a 1e-9 rounding difference between layouts into ~1e-5 of weight per step
     for name, w in single["weights"].items():
-        torch.testing.assert_close(out["weights"][name], w, rtol=1e-3, atol=2e-5, msg=f"{layout} {name}")
+        torch.testing.assert_close(out["weights"][name], w, rtol=1e-3, atol=1e-4, msg=f"{layout} {name}")
 
 
 def test_old_logprobs_match_a_plain_forward(reference):
