@@ -2,13 +2,19 @@
 
     .venv/bin/python benchmarks/bench_loss.py [--tokens 65536] [--seqs 512] [--repeats 20] [--threads 1]
 
-Both sides run in the same process on the same batch; the figure that matters is the ratio. Memory is
+Both sides run in the same process on the same batch, interleaved (a few vectorised calls, then one loop
+call, repeated) so that load from other processes hits both alike; the figure that matters is the ratio
+of the medians. Memory is
 the peak of live tensor bytes allocated during forward + backward (inputs excluded), counted by a
 TorchDispatchMode that sees every ATen op: an output tensor whose storage is new adds its bytes, and the
 bytes are released when the last tensor viewing that storage is freed (a weakref finalizer). It counts
 what the allocator is asked for by tensors, not allocator caching or Python objects. The peak is given
 in units of one float32 token tensor (4 * N bytes); the gradient of the log-probs (1.0 unit) is part of
-it. Writes benchmarks/results/loss.json and prints a table.
+it. While a dispatch mode is active, autograd adds two gradients of one tensor out of place (it treats
+the tensors as subclass-like), so configurations with two gradient paths into the log-probs (KL) read
+one unit higher here than they use in a plain run. Besides the three default configurations it
+measures the peak (only) of the options (KL, entropy, TIS, per-token advantages, other aggregations).
+Writes benchmarks/results/loss.json and prints two tables.
 """
 from __future__ import annotations
 
@@ -83,6 +89,43 @@ def make_batch(num_tokens: int, num_seqs: int, seed: int = 0):
     return cu_seqlens, new, old, advantages
 
 
+# Option configurations whose peak memory is reported next to the defaults (no timing).
+OPTIONS = [
+    ("grpo", {"aggregation": "token_mean"}),
+    ("grpo", {"aggregation": "token_sum", "constant_length_tokens": 1024}),
+    ("grpo", {"per_token_advantages": True}),
+    ("gspo_token", {"per_token_advantages": True}),
+    ("gspo", {"tis_mode": "sequence"}),
+    ("grpo", {"tis_mode": "sequence"}),
+    ("grpo", {"tis_mode": "token"}),
+    ("gspo_token", {"tis_mode": "token"}),
+    ("gspo", {"entropy_coef": 0.01}),
+    ("grpo", {"entropy_coef": 0.01}),
+    ("gspo", {"kl_coef": 0.1}),
+    ("gspo_token", {"kl_coef": 0.1}),
+    ("grpo", {"kl_coef": 0.1}),
+]
+
+
+def option_peak(algorithm: str, options: dict, cu_seqlens, new, old, advantages, unit_bytes: int) -> tuple[float, float]:
+    """``memory_units`` of one option configuration; its extra inputs (reference, rollout, entropy) are made here."""
+    options = dict(options)
+    per_token = options.pop("per_token_advantages", False)
+    gen = torch.Generator().manual_seed(1)
+    extra = {}
+    if options.get("kl_coef", 0) > 0:
+        extra["ref_logprobs"] = old + 0.05 * torch.randn(old.shape, generator=gen)
+    if options.get("entropy_coef", 0) > 0:
+        extra["entropy"] = torch.rand(old.shape, generator=gen).requires_grad_(True)
+    if options.get("tis_mode", "none") != "none":
+        extra["rollout_logprobs"] = old + 0.01 * torch.randn(old.shape, generator=gen)
+    adv = {"token_advantages": torch.randn(old.shape, generator=gen)} if per_token else {"advantages": advantages}
+    config = LossConfig(algorithm=algorithm, **options)
+    batch = packed_batch(new, old, cu_seqlens=cu_seqlens, **adv, **extra)
+    normalisers = count_normalisers(batch.mask, batch.segments)
+    return memory_units(lambda: policy_loss(config, batch, normalisers)[0], new, unit_bytes)
+
+
 def loop_gspo(new, old, advantages, cu_seqlens, clip_low: float, clip_high: float):
     """The straightforward reference: one Python iteration per sequence (Eq. 5, 7)."""
     bounds = cu_seqlens.tolist()
@@ -113,22 +156,33 @@ def run_once(fn, new):
     return loss.detach(), new.grad
 
 
-def timed(fn, new, repeats: int, label: str) -> float:
-    run_once(fn, new)  # warm-up
-    times = []
-    for _ in track(range(repeats), description=label, transient=True):
-        start = time.perf_counter()
-        run_once(fn, new)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed_pair(vectorised, reference, new, repeats: int, label: str) -> tuple[float, float]:
+    """Median seconds of each side, interleaved: rounds of 4 vectorised calls and 1 loop call."""
+    run_once(vectorised, new)  # warm-up
+    run_once(reference, new)
+    times_v, times_r = [], []
+    for _ in track(range(max(3, repeats // 4)), description=label, transient=True):
+        for fn, times, calls in ((vectorised, times_v, 4), (reference, times_r, 1)):
+            for _ in range(calls):
+                start = time.perf_counter()
+                run_once(fn, new)
+                times.append(time.perf_counter() - start)
+    return statistics.median(times_v), statistics.median(times_r)
 
 
 def peak_units(fn, new, unit_bytes: int) -> float:
+    return memory_units(fn, new, unit_bytes)[0]
+
+
+def memory_units(fn, new, unit_bytes: int) -> tuple[float, float]:
+    """(peak over forward + backward, bytes still held when forward returns: what autograd keeps for
+    backward, which is what each in-flight micro-batch costs under pipeline parallelism), in units."""
     new.grad = None
     with PeakTensorBytes() as tracker:
         loss = fn()
+        held = tracker.current
         loss.backward()
-    return tracker.peak / unit_bytes
+    return tracker.peak / unit_bytes, held / unit_bytes
 
 
 def main() -> None:
@@ -157,18 +211,28 @@ def main() -> None:
         loss_v, grad_v = (t.clone() for t in run_once(vectorised, new))
         loss_r, grad_r = (t.clone() for t in run_once(reference, new))
         agree = bool(torch.allclose(loss_v, loss_r, rtol=1e-4, atol=1e-6) and torch.allclose(grad_v, grad_r, rtol=1e-3, atol=1e-9))
-        t_v = timed(vectorised, new, args.repeats, f"{algorithm} vectorised")
-        t_r = timed(reference, new, max(3, args.repeats // 4), f"{algorithm} loop")
+        t_v, t_r = timed_pair(vectorised, reference, new, args.repeats, algorithm)
+        peak_v, held_v = memory_units(vectorised, new, unit)
+        peak_r, held_r = memory_units(reference, new, unit)
         rows.append(
             {
                 "algorithm": algorithm,
                 "vectorised_ms": 1e3 * t_v,
                 "loop_ms": 1e3 * t_r,
                 "speedup": t_r / t_v,
-                "vectorised_peak_token_tensors": peak_units(vectorised, new, unit),
-                "loop_peak_token_tensors": peak_units(reference, new, unit),
+                "vectorised_peak_token_tensors": peak_v,
+                "loop_peak_token_tensors": peak_r,
+                "vectorised_held_for_backward_token_tensors": held_v,
+                "loop_held_for_backward_token_tensors": held_r,
                 "agrees_with_loop": agree,
             }
+        )
+
+    options = []
+    for algorithm, opts in track(OPTIONS, description="options (peak memory)", transient=True):
+        peak, held = option_peak(algorithm, opts, cu_seqlens, new, old, advantages, unit)
+        options.append(
+            {"algorithm": algorithm, "options": opts, "vectorised_peak_token_tensors": peak, "vectorised_held_for_backward_token_tensors": held}
         )
 
     result = {
@@ -178,8 +242,10 @@ def main() -> None:
         "threads": args.threads,
         "torch": torch.__version__,
         "device": "cpu",
-        "memory_unit": "one float32 token tensor = 4 * tokens bytes; peak includes the log-prob gradient (1.0)",
+        "memory_unit": "one float32 token tensor = 4 * tokens bytes; peak includes the log-prob gradient (1.0); "
+        "held = allocated by the loss and still alive when forward returns (kept for backward), inputs excluded",
         "results": rows,
+        "option_peaks": options,
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     tmp = RESULT.with_suffix(".json.tmp")
@@ -187,7 +253,7 @@ def main() -> None:
     os.replace(tmp, RESULT)
 
     table = Table(title=f"loss forward+backward, {args.tokens} tokens in {args.seqs} packed sequences, {args.threads} thread(s)")
-    for column in ("algorithm", "vectorised ms", "loop ms", "speed-up", "peak (vectorised)", "peak (loop)", "agrees"):
+    for column in ("algorithm", "vectorised ms", "loop ms", "speed-up", "peak (vectorised)", "peak (loop)", "held (vectorised)", "agrees"):
         table.add_column(column)
     for r in rows:
         table.add_row(
@@ -197,9 +263,22 @@ def main() -> None:
             f"{r['speedup']:.1f}x",
             f"{r['vectorised_peak_token_tensors']:.2f}",
             f"{r['loop_peak_token_tensors']:.2f}",
+            f"{r['vectorised_held_for_backward_token_tensors']:.2f}",
             str(r["agrees_with_loop"]),
         )
-    Console(width=140).print(table)
+    console = Console(width=140)
+    console.print(table)
+    opt_table = Table(title="peak memory of the options (units of one float32 token tensor, gradient included)")
+    for column in ("algorithm", "options", "peak", "held for backward"):
+        opt_table.add_column(column)
+    for r in options:
+        opt_table.add_row(
+            r["algorithm"],
+            json.dumps(r["options"]),
+            f"{r['vectorised_peak_token_tensors']:.2f}",
+            f"{r['vectorised_held_for_backward_token_tensors']:.2f}",
+        )
+    console.print(opt_table)
     print(f"wrote {RESULT}")
     if not all(r["agrees_with_loop"] for r in rows):
         raise SystemExit("bench_loss: a vectorised loss disagrees with its loop reference")

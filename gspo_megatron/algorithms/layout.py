@@ -16,6 +16,29 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# Loss code that needs per-token scratch (metrics, the fused losses) makes it one chunk at a time: a
+# chunk holds at most 1 / SCRATCH_CHUNKS of the stream (and at least MIN_CHUNK_TOKENS tokens), so a
+# few temporaries per chunk stay a small fraction of one float32 token tensor. The Python loop runs
+# over at most SCRATCH_CHUNKS chunks, never over sequences.
+SCRATCH_CHUNKS = 8
+MIN_CHUNK_TOKENS = 8192
+
+
+def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """The precision of the loss maths: float32 (also for bfloat16 / float16 inputs), float64 when an
+    input is float64 (double-precision checks such as ``torch.autograd.gradcheck``)."""
+    dtype = torch.float32
+    for t in tensors:
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def token_chunks(num_tokens: int) -> list[slice]:
+    """Contiguous slices covering 0 .. num_tokens - 1 (none when it is 0), see SCRATCH_CHUNKS."""
+    size = max(MIN_CHUNK_TOKENS, -(-num_tokens // SCRATCH_CHUNKS), 1)
+    return [slice(start, min(start + size, num_tokens)) for start in range(0, num_tokens, size)]
+
 
 @dataclass(frozen=True)
 class Segments:
@@ -65,6 +88,14 @@ class Segments:
         out = torch.zeros(self.num_seqs, dtype=values.dtype, device=values.device)
         return out.index_add(0, self.seq_ids, values)
 
+    def count(self, mask: Tensor) -> Tensor:
+        """[S] float32 number of True entries of a bool [N] ``mask`` per sequence, converted chunk by chunk."""
+        out = torch.zeros(self.num_seqs, dtype=torch.float32, device=mask.device)
+        flat = mask.reshape(-1)
+        for part in token_chunks(self.num_tokens):
+            out.index_add_(0, self.seq_ids[part], flat[part].to(torch.float32))
+        return out
+
     def expand(self, per_seq: Tensor) -> Tensor:
         """Broadcast a per-sequence value to its tokens: [S] -> [N] (backward is a segment sum)."""
         return per_seq.index_select(0, self.seq_ids)
@@ -104,7 +135,7 @@ def count_normalisers(mask: Tensor, segments: Segments) -> LossNormalisers:
     Count on the unsplit sequences: a context-parallel chunk holds part of a sequence, so counting
     sequences per CP chunk would count a sequence once per chunk.
     """
-    tokens = segments.sum(mask.reshape(-1).to(torch.float32))
+    tokens = segments.count(mask)
     return LossNormalisers(num_seqs=float((tokens > 0).sum()), num_tokens=float(tokens.sum()))
 
 

@@ -8,19 +8,26 @@ Shapes: N tokens of S sequences in the flat layout of ``layout.TokenBatch``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from gspo_megatron.algorithms.kl import kl_estimate
-from gspo_megatron.algorithms.layout import LossNormalisers, Segments, TokenBatch
+from gspo_megatron.algorithms.kl import kl_values_and_derivative
+from gspo_megatron.algorithms.layout import (
+    LossNormalisers,
+    Segments,
+    TokenBatch,
+    compute_dtype,
+    token_chunks,
+)
 from gspo_megatron.algorithms.metrics import raw
 from gspo_megatron.algorithms.sequences import (
     LOG_RATIO_LIMIT,
     SequenceContext,
     SequenceSums,
-    masked_log_ratio,
+    log_ratio_values,
     sequence_context,
     sequence_tis_weights,
     token_tis_weights,
@@ -59,16 +66,10 @@ def aggregate_token_terms(
     token_mean:          sum_it term_it / num_tokens                 (weights each sequence by its length)
     token_sum:           sum_it term_it / (num_seqs * constant_length_tokens)   (Dr. GRPO)
     """
-    if aggregation == "seq_mean_token_mean":
-        per_seq = segments.sum(terms) / seq_tokens.clamp(min=1.0)
-        return per_seq.sum() / _at_least_one(normalisers.num_seqs)
-    if aggregation == "token_mean":
-        return terms.sum() / _at_least_one(normalisers.num_tokens)
-    if aggregation == "token_sum":
-        if constant_length_tokens < 1:
-            raise ValueError(f"aggregation=token_sum: constant_length_tokens must be >= 1, got {constant_length_tokens}")
-        return terms.sum() / (_at_least_one(normalisers.num_seqs) * constant_length_tokens)
-    raise ValueError(f"aggregation: must be one of seq_mean_token_mean, token_mean, token_sum, got {aggregation!r}")
+    scale = token_scale(aggregation, seq_tokens, normalisers, constant_length_tokens)
+    if scale.seq_tokens is None:
+        return terms.sum() / scale.denominator
+    return (segments.sum(terms) / scale.seq_tokens.clamp(min=1.0)).sum() / scale.denominator
 
 
 def gspo_loss_from_sums(
@@ -95,7 +96,7 @@ def gspo_loss_from_sums(
     if share is None:
         share = (total.tokens > 0).to(torch.float32)
     seq_ratio = torch.exp(total.mean_log_ratio())
-    objective, clipped_low, clipped_high = clipped_objective(seq_ratio, advantages.to(torch.float32), clip_low, clip_high)
+    objective, clipped_low, clipped_high = clipped_objective(seq_ratio, advantages.to(seq_ratio.dtype), clip_low, clip_high)
     weight = share if seq_weights is None else share * seq_weights
     # where(), not a product: an empty sequence may carry any advantage (padding rows) and must add 0.
     terms = torch.where(share > 0, objective * weight, 0.0)
@@ -156,16 +157,11 @@ def gspo_token_loss(
     clipping and gradient equal GSPO's (Eq. 15-17). Where the mean log-ratio of a sequence lies outside
     the exponent clamp, GSPO's gradient through the clamp is 0; the token form is gated the same way.
     """
-    ctx = sequence_context(batch) if context is None else context
-    seg = batch.segments
+    ctx = sequence_context(batch, differentiable=False) if context is None else context
     with torch.no_grad():
         mean = ctx.total.log_ratio / ctx.total.tokens.clamp(min=1.0)
-        in_range = seg.expand(mean.abs() <= LOG_RATIO_LIMIT) & batch.mask
-        log_s = seg.expand(ctx.total.mean_log_ratio())  # value of log s_it = log sg[s_i]
-    # d log s_it / d log pi_theta(y_it) = 1: the gradient flows into the log-probs themselves.
-    return _token_level_loss(
-        batch, ctx, normalisers, batch.logprobs, log_s, in_range, clip_low, clip_high, "seq_mean_token_mean", 0, tis_mode, tis_cap
-    )
+        ratio = _TokenRatio(seq_ratio=torch.exp(ctx.total.mean_log_ratio()), seq_stopped=~(mean.abs() <= LOG_RATIO_LIMIT))
+    return _token_level_loss(batch, ctx, normalisers, ratio, clip_low, clip_high, "seq_mean_token_mean", 0, tis_mode, tis_cap)
 
 
 def grpo_loss(
@@ -185,20 +181,10 @@ def grpo_loss(
         w_t  = pi_theta(y_t) / pi_old(y_t) = exp(clamp(log-ratio_t, -20, 20))
         loss = -aggregate_t min(w_t A_t, clip(w_t, 1-eps_low, 1+eps_high) A_t)
     """
-    ctx = sequence_context(batch) if context is None else context
+    ctx = sequence_context(batch, differentiable=False) if context is None else context
+    ratio = _TokenRatio(token_log_ratio=ctx.token_log_ratio.detach())
     return _token_level_loss(
-        batch,
-        ctx,
-        normalisers,
-        ctx.token_log_ratio,
-        ctx.token_log_ratio.detach(),
-        None,
-        clip_low,
-        clip_high,
-        aggregation,
-        constant_length_tokens,
-        tis_mode,
-        tis_cap,
+        batch, ctx, normalisers, ratio, clip_low, clip_high, aggregation, constant_length_tokens, tis_mode, tis_cap
     )
 
 
@@ -214,13 +200,26 @@ def kl_penalty(
     """KL(pi_theta || pi_ref) estimate aggregated like the policy loss (add ``kl_coef`` times it).
 
     seq_tokens: [S] whole-sequence token counts (``SequenceContext.total.tokens`` under CP); default local.
+    Value and gradient equal ``aggregate_token_terms(kl_estimate(...))``; computed by a fused op that
+    keeps no per-token tensor for backward (it recomputes the derivative there, chunk by chunk).
     """
     if batch.ref_logprobs is None:
         raise ValueError("kl_penalty: the batch has no ref_logprobs (log-probs of the frozen reference model)")
-    kl = kl_estimate(batch.logprobs, batch.ref_logprobs, batch.mask, estimator)
-    seq_tokens = _seq_tokens(batch) if seq_tokens is None else seq_tokens
-    value = aggregate_token_terms(kl, batch.segments, seq_tokens, normalisers, aggregation, constant_length_tokens)
-    return value, {"kl_sum": raw(kl.sum()), "kl_loss": raw(value)}
+    if estimator not in ("k1", "k2", "k3"):
+        raise ValueError(f"kl_estimator: must be one of k1, k2, k3, got {estimator!r}")
+    seq_tokens = batch.segments.count(batch.mask) if seq_tokens is None else seq_tokens
+    scale = token_scale(aggregation, seq_tokens, normalisers, constant_length_tokens)
+    logprobs, ref, mask = batch.logprobs, batch.ref_logprobs, batch.mask
+
+    def values(part: slice) -> Tensor:
+        return kl_values_and_derivative(logprobs[part], ref[part], mask[part], estimator, with_derivative=False)[0]
+
+    def derivative(part: slice) -> Tensor:
+        return kl_values_and_derivative(logprobs[part], ref[part], mask[part], estimator, with_derivative=True)[1]
+
+    sums: Metrics = {}
+    value = _TokenSum.apply(logprobs, values, derivative, scale, batch.segments, sums)
+    return value, {"kl_sum": raw(sums["raw_sum"]), "kl_loss": raw(value)}
 
 
 def entropy_bonus(
@@ -231,17 +230,34 @@ def entropy_bonus(
     constant_length_tokens: int = 0,
     seq_tokens: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
-    """Mean entropy aggregated like the policy loss (subtract ``entropy_coef`` times it)."""
+    """Mean entropy aggregated like the policy loss (subtract ``entropy_coef`` times it).
+
+    A fused op like ``kl_penalty``'s: d value / d entropy_t is the token's aggregation weight.
+    """
     if batch.entropy is None:
         raise ValueError("entropy_bonus: the batch has no entropy (per-token entropy of pi_theta)")
-    entropy = torch.where(batch.mask, batch.entropy.to(torch.float32), 0.0)
-    seq_tokens = _seq_tokens(batch) if seq_tokens is None else seq_tokens
-    value = aggregate_token_terms(entropy, batch.segments, seq_tokens, normalisers, aggregation, constant_length_tokens)
-    return value, {"entropy_sum": raw(entropy.sum()), "entropy_loss": raw(value)}
+    seq_tokens = batch.segments.count(batch.mask) if seq_tokens is None else seq_tokens
+    scale = token_scale(aggregation, seq_tokens, normalisers, constant_length_tokens)
+    entropy, mask = batch.entropy, batch.mask
+
+    dtype = compute_dtype(entropy)
+
+    def values(part: slice) -> Tensor:
+        return torch.where(mask[part], entropy[part].detach().to(dtype), 0.0)
+
+    def derivative(part: slice) -> Tensor:  # needs only the mask: the entropy itself is not kept for backward
+        return mask[part].to(dtype)
+
+    sums: Metrics = {}
+    value = _TokenSum.apply(entropy, values, derivative, scale, batch.segments, sums)
+    return value, {"entropy_sum": raw(sums["raw_sum"]), "entropy_loss": raw(value)}
 
 
 def policy_metrics(batch: TokenBatch, ctx: SequenceContext) -> Metrics:
-    """Ratio, log-ratio, advantage and mismatch metrics common to every algorithm (raw, see metrics.py)."""
+    """Ratio, log-ratio, advantage and mismatch metrics common to every algorithm (raw, see metrics.py).
+
+    Per-token scratch is made chunk by chunk (``layout.token_chunks``).
+    """
     with torch.no_grad():
         mask, share = batch.mask, ctx.share()
         has_tokens = ctx.local.tokens > 0
@@ -252,66 +268,225 @@ def policy_metrics(batch: TokenBatch, ctx: SequenceContext) -> Metrics:
             "seq_ratio_sum": raw((seq_ratio * share).sum()),
             "seq_ratio_min": raw(_masked_min(seq_ratio, has_tokens)),
             "seq_ratio_max": raw(_masked_max(seq_ratio, has_tokens)),
-            "abs_log_ratio_sum": raw(torch.linalg.vector_norm(ctx.token_log_ratio, ord=1)),
-            **_token_ratio_metrics(ctx.token_log_ratio, mask),
+            **_token_ratio_metrics(ctx.token_log_ratio.detach(), mask),
         }
         metrics.update(_advantage_metrics(batch, ctx, share, has_tokens))
         if batch.rollout_logprobs is not None:
-            gap = masked_log_ratio(batch.old_logprobs, batch.rollout_logprobs, mask)
-            metrics["rollout_abs_log_ratio_sum"] = raw(torch.linalg.vector_norm(gap, ord=1))
+            gap_sum = torch.zeros((), device=mask.device)
+            for part in token_chunks(mask.numel()):
+                gap, _ = log_ratio_values(batch.old_logprobs[part].detach(), batch.rollout_logprobs[part].detach(), mask[part])
+                gap_sum += gap.abs_().sum()
+            metrics["rollout_abs_log_ratio_sum"] = raw(gap_sum)
     return metrics
 
 
-class _ClippedTokenTerms(torch.autograd.Function):
-    """Per-token loss terms  -w_t min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t)  (0 off the mask),
-    with r_t = exp(clamp(log_ratio_t, -20, 20)), as one op that saves a single float per token.
+@dataclass(frozen=True)
+class TokenScale:
+    """How per-token terms l_t reduce to this micro-batch's share of the loss (see ``aggregate_token_terms``).
 
-    Autograd of the min/clamp/product expression would keep five N-float tensors for backward. Here
-    forward computes d term_t / d x_t = -w_t A_t r_t g_t directly, where x is the tensor whose gradient
-    moves log r_t one for one (the token log-ratio for GRPO, the log-probs for GSPO-token) and g_t is 0
-    where the clip is active (the gradient the min removes, Eq. 5 / Eq. 2), where the exponent clamp
-    is hit, off the mask, or where ``gate`` is False. Also returns the active-clip masks (for metrics).
+    seq_tokens [S] given:  loss = sum_i (1 / max(seq_tokens_i, 1)) sum_t l_it / denominator
+    seq_tokens None:       loss = sum_t l_t / denominator
+    Build it with ``token_scale``.
+    """
+
+    seq_tokens: Tensor | None
+    denominator: float | Tensor
+
+    def per_seq(self, dtype: torch.dtype) -> Tensor | None:
+        """[S] d loss / d l_t of each sequence's tokens, or None when it is one scalar (``per_token``)."""
+        if self.seq_tokens is None:
+            return None
+        return 1.0 / (self.seq_tokens.to(dtype).clamp(min=1.0) * self.denominator)
+
+    def per_token(self, seq_ids: Tensor, per_seq: Tensor | None) -> Tensor | float:
+        """d loss / d l_t for the tokens of ``seq_ids`` (a chunk) from ``per_seq()``, or the uniform scalar."""
+        if per_seq is None:
+            return 1.0 / self.denominator
+        return per_seq.index_select(0, seq_ids)
+
+    def accumulator(self, num_seqs: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Zeros to ``accumulate`` chunks into: [S] per-sequence sums, or a 0-d total."""
+        return torch.zeros(num_seqs if self.seq_tokens is not None else (), dtype=dtype, device=device)
+
+    def accumulate(self, acc: Tensor, seq_ids: Tensor, terms: Tensor) -> None:
+        if self.seq_tokens is None:
+            acc += terms.sum()
+        else:
+            acc.index_add_(0, seq_ids, terms)
+
+    def reduce(self, acc: Tensor) -> Tensor:
+        """The loss from the accumulated chunks (sums per sequence first, as ``aggregate_token_terms`` does)."""
+        if self.seq_tokens is None:
+            return acc / self.denominator
+        return (acc / self.seq_tokens.clamp(min=1.0)).sum() / self.denominator
+
+
+def token_scale(
+    aggregation: Aggregation, seq_tokens: Tensor, normalisers: LossNormalisers, constant_length_tokens: int = 0
+) -> TokenScale:
+    """The ``TokenScale`` of an aggregation mode (formulas in ``aggregate_token_terms``)."""
+    if aggregation == "seq_mean_token_mean":
+        return TokenScale(seq_tokens, _at_least_one(normalisers.num_seqs))
+    if aggregation == "token_mean":
+        return TokenScale(None, _at_least_one(normalisers.num_tokens))
+    if aggregation == "token_sum":
+        if constant_length_tokens < 1:
+            raise ValueError(f"aggregation=token_sum: constant_length_tokens must be >= 1, got {constant_length_tokens}")
+        return TokenScale(None, _at_least_one(normalisers.num_seqs) * constant_length_tokens)
+    raise ValueError(f"aggregation: must be one of seq_mean_token_mean, token_mean, token_sum, got {aggregation!r}")
+
+
+class _TokenSum(torch.autograd.Function):
+    """loss = scale-reduction of per-token terms f_t (KL, entropy) as one op that allocates no per-token
+    tensor for backward: forward and backward run chunk by chunk, and backward recomputes d f_t / d x_t
+    (elementwise, cheap) with ``derivative(part)``. ``values(part)`` gives f on a chunk in forward only;
+    the tensors ``derivative`` reads (KL: log-probs, reference log-probs and mask; entropy: the mask)
+    stay referenced until backward. ``sums["raw_sum"]`` receives sum_t f_t (the metric)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, values, derivative, scale: TokenScale, segments: Segments, sums: Metrics) -> Tensor:
+        dtype = compute_dtype(x)
+        acc = scale.accumulator(segments.num_seqs, dtype, x.device)
+        raw_sum = torch.zeros((), dtype=dtype, device=x.device)
+        for part in token_chunks(segments.num_tokens):
+            chunk = values(part).to(dtype)
+            raw_sum += chunk.sum()
+            scale.accumulate(acc, segments.seq_ids[part], chunk)
+        sums["raw_sum"] = raw_sum
+        ctx.derivative, ctx.scale, ctx.segments, ctx.x_meta = derivative, scale, segments, (x.shape, x.dtype)
+        return scale.reduce(acc)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: Tensor):
+        shape, dtype = ctx.x_meta
+        grad = torch.empty(ctx.segments.num_tokens, dtype=compute_dtype(grad_loss), device=grad_loss.device)
+        per_seq = ctx.scale.per_seq(grad.dtype)
+        for part in token_chunks(ctx.segments.num_tokens):
+            scaled = ctx.derivative(part).mul_(ctx.scale.per_token(ctx.segments.seq_ids[part], per_seq))
+            torch.mul(scaled, grad_loss, out=grad[part])
+        return _as_input(grad, shape, dtype), None, None, None, None, None
+
+
+@dataclass(frozen=True)
+class _TokenRatio:
+    """The ratio a token's clipped term uses, without a per-token copy when it is per sequence.
+
+    token_log_ratio: [N] GRPO: the token's own log-ratio; r_t = exp(clamp(., -20, 20)), no gradient
+                     where the clamp is hit.
+    seq_ratio:       [S] GSPO-token: s_i (Eq. 14 in value); seq_stopped [S] bool: no gradient for the
+                     sequence (its mean log-ratio is outside the exponent clamp).
+    Either way d log r_t / d log pi_theta(y_t) = 1 where the gradient flows.
+    """
+
+    token_log_ratio: Tensor | None = None
+    seq_ratio: Tensor | None = None
+    seq_stopped: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _ClipInputs:
+    """What the fused clipped objective reads besides log pi_theta (all detached)."""
+
+    batch: TokenBatch
+    ratio: _TokenRatio
+    seq_weights: Tensor | None  # [S] sequence-level TIS
+    tis_cap: float | None  # token-level TIS with this cap, weights recomputed per chunk
+    clip_low: float
+    clip_high: float
+    scale: TokenScale
+
+
+class _ClippedTokenLoss(torch.autograd.Function):
+    """The reduced token-level clipped objective as one op (GSPO-token, GRPO):
+
+        loss = scale-reduction of  l_t = -w_t min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t)  (0 off the mask)
+
+    with the derivative taken directly with respect to x = log pi_theta (the ``batch.logprobs``):
+
+        d loss / d x_t = -scale_t w_t A_t r_t g_t
+
+    where g_t is 0 where the clip is active (r < 1-eps_low with A < 0, r > 1+eps_high with A > 0: the
+    gradient the min removes, Eq. 5 / Eq. 2), where the ratio's exponent clamp is hit, and off the mask.
+    Forward runs chunk by chunk (``layout.token_chunks``) and writes that derivative into the one
+    per-token tensor it saves (float32; float64 for float64 inputs); backward multiplies it by the
+    incoming scalar. Nothing else per token is kept. ``metrics`` receives the per-sequence counts of clipped tokens (``clip_low`` and
+    ``clip_high``, [S]).
     """
 
     @staticmethod
-    def forward(ctx, x, log_ratio, gate, advantages, mask, weights, clip_low, clip_high):
-        low, high = 1.0 - clip_low, 1.0 + clip_high
-        ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp_()
-        outside = ~mask
-        clipped_low = ratio.lt(low).logical_and_(advantages.lt(0)).logical_and_(mask)
-        clipped_high = ratio.gt(high).logical_and_(advantages.gt(0)).logical_and_(mask)
-        no_grad = clipped_low | clipped_high
-        no_grad |= log_ratio.lt(-LOG_RATIO_LIMIT)
-        no_grad |= log_ratio.gt(LOG_RATIO_LIMIT)
-        no_grad |= outside
-        if gate is not None:
-            no_grad |= ~gate
-        coef = ratio * advantages
-        if weights is not None:
-            coef.mul_(weights)
-        coef.neg_().masked_fill_(no_grad, 0.0)
-        terms = ratio.masked_fill_(clipped_low, low).masked_fill_(clipped_high, high).mul_(advantages)
-        if weights is not None:
-            terms.mul_(weights)
-        terms.neg_().masked_fill_(outside, 0.0)  # advantages off the mask may be anything, even NaN
-        ctx.save_for_backward(coef)
-        ctx.x_dtype = x.dtype
-        ctx.mark_non_differentiable(clipped_low, clipped_high)
-        return terms, clipped_low, clipped_high
+    def forward(ctx, x: Tensor, inputs: _ClipInputs, metrics: Metrics) -> Tensor:
+        batch, ratio, scale = inputs.batch, inputs.ratio, inputs.scale
+        seg, mask, device = batch.segments, batch.mask, batch.mask.device
+        low_bound, high_bound = 1.0 - inputs.clip_low, 1.0 + inputs.clip_high
+        need_grad, dtype = ctx.needs_input_grad[0], compute_dtype(x, batch.old_logprobs)
+        coef = torch.empty(seg.num_tokens, dtype=dtype, device=device) if need_grad else None
+        acc = scale.accumulator(seg.num_seqs, dtype, device)
+        low_counts = torch.zeros(seg.num_seqs, dtype=torch.float32, device=device)
+        high_counts = torch.zeros_like(low_counts)
+        per_seq_scale = scale.per_seq(dtype)
+        neg_seq_adv = None if batch.advantages is None else batch.advantages.detach().to(dtype).neg()
+        seq_ratio = None if ratio.seq_ratio is None else ratio.seq_ratio.to(dtype)
+        for part in token_chunks(seg.num_tokens):
+            ids, on = seg.seq_ids[part], mask[part]
+            buf = coef[part] if need_grad else torch.empty(ids.shape, dtype=dtype, device=device)
+            if ratio.token_log_ratio is not None:
+                log_r = ratio.token_log_ratio[part].to(dtype)
+                torch.clamp(log_r, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT, out=buf)
+                stopped = buf.ne(log_r)  # the exponent clamp is hit (or NaN): no gradient, like torch.clamp
+                buf.exp_()
+            else:
+                torch.index_select(seq_ratio, 0, ids, out=buf)
+                stopped = ratio.seq_stopped.index_select(0, ids)
+            # factor = -A (a new tensor: never a view of the caller's advantages), times TIS weights
+            if neg_seq_adv is not None:
+                factor = neg_seq_adv.index_select(0, ids)
+            else:
+                factor = batch.token_advantages[part].detach().to(dtype).neg()
+            clipped_low = buf.lt(low_bound).logical_and_(factor.gt(0)).logical_and_(on)
+            clipped_high = buf.gt(high_bound).logical_and_(factor.lt(0)).logical_and_(on)
+            low_counts.index_add_(0, ids, clipped_low.to(torch.float32))
+            high_counts.index_add_(0, ids, clipped_high.to(torch.float32))
+            if inputs.seq_weights is not None:
+                factor.mul_(inputs.seq_weights.index_select(0, ids))
+            if inputs.tis_cap is not None:
+                factor.mul_(token_tis_weights(batch, inputs.tis_cap, part))
+            # min(r A, clip(r) A) = clip(r) A exactly where the clip is active, r A elsewhere
+            off = ~on
+            buf.masked_fill_(clipped_low, low_bound).masked_fill_(clipped_high, high_bound)
+            buf.mul_(factor).masked_fill_(off, 0.0)  # advantages off the mask may be anything, even NaN
+            del factor
+            scale.accumulate(acc, ids, buf)
+            if need_grad:  # where the gradient flows the clipped ratio is r itself, so buf = -w A r there
+                stopped.logical_or_(clipped_low).logical_or_(clipped_high).logical_or_(off)
+                buf.masked_fill_(stopped, 0.0).mul_(scale.per_token(ids, per_seq_scale))
+            del buf, stopped, clipped_low, clipped_high, off  # before the next chunk makes its own
+        metrics["clip_low"], metrics["clip_high"] = low_counts, high_counts
+        if need_grad:
+            ctx.save_for_backward(coef)
+        ctx.x_meta = (x.shape, x.dtype)
+        return scale.reduce(acc)
 
     @staticmethod
-    def backward(ctx, grad_terms, _grad_low, _grad_high):
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: Tensor):
         (coef,) = ctx.saved_tensors
-        return (grad_terms * coef).to(ctx.x_dtype), None, None, None, None, None, None, None
+        shape, dtype = ctx.x_meta
+        return _as_input(coef * grad_loss, shape, dtype), None, None
+
+
+def _as_input(grad: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    """A flat gradient in the input's shape and dtype; not a view when the shape already fits, so
+    autograd may add a second gradient into it in place instead of allocating the sum."""
+    grad = grad if grad.shape == shape else grad.view(shape)
+    return grad.to(dtype)
 
 
 def _token_level_loss(
     batch: TokenBatch,
     ctx: SequenceContext,
     normalisers: LossNormalisers,
-    x: Tensor,
-    log_ratio: Tensor,
-    gate: Tensor | None,
+    ratio: _TokenRatio,
     clip_low: float,
     clip_high: float,
     aggregation: Aggregation,
@@ -319,34 +494,35 @@ def _token_level_loss(
     tis_mode: TISMode,
     tis_cap: float,
 ) -> tuple[Tensor, Metrics]:
-    """Shared tail of GSPO-token and GRPO: clipped per-token terms, TIS weights, aggregation, metrics."""
-    seg, mask = batch.segments, batch.mask
+    """Shared tail of GSPO-token and GRPO: the fused clipped objective, TIS, metrics."""
     seq_weights, tis_metrics = _tis(batch, ctx, tis_mode, tis_cap)
-    weights = None if seq_weights is None else seg.expand(seq_weights)
     if tis_mode == "token":
-        weights = token_tis_weights(batch, tis_cap)
-        tis_metrics = {
-            "tis_token_weight_sum": raw(torch.where(mask, weights, 0.0).sum()),
-            "tis_token_truncated": raw((mask & (weights >= tis_cap)).sum()),
-        }
-    advantages = batch.token_advantage().to(torch.float32)
-    terms, clipped_low, clipped_high = _ClippedTokenTerms.apply(
-        x, log_ratio, gate, advantages, mask, weights, clip_low, clip_high
-    )
-    del advantages, weights
-    loss = aggregate_token_terms(terms, seg, ctx.total.tokens, normalisers, aggregation, constant_length_tokens)
-    del terms  # not saved for backward; free it before the metrics' scratch
-    with torch.no_grad():
-        seq_tokens = ctx.total.tokens.clamp(min=1.0)
-        metrics = {
-            "clip_low_tokens": raw(clipped_low.sum()),
-            "clip_high_tokens": raw(clipped_high.sum()),
-            "clip_low_seqs": raw((seg.sum(clipped_low.to(torch.float32)) / seq_tokens).sum()),
-            "clip_high_seqs": raw((seg.sum(clipped_high.to(torch.float32)) / seq_tokens).sum()),
-            "pg_loss": raw(loss),
-        }
-    del clipped_low, clipped_high
+        tis_metrics = _token_tis_metrics(batch, tis_cap)
+    scale = token_scale(aggregation, ctx.total.tokens, normalisers, constant_length_tokens)
+    inputs = _ClipInputs(batch, ratio, seq_weights, tis_cap if tis_mode == "token" else None, clip_low, clip_high, scale)
+    counts: Metrics = {}
+    loss = _ClippedTokenLoss.apply(batch.logprobs, inputs, counts)
+    seq_tokens = ctx.total.tokens.clamp(min=1.0)
+    metrics = {
+        "clip_low_tokens": raw(counts["clip_low"].sum()),
+        "clip_high_tokens": raw(counts["clip_high"].sum()),
+        "clip_low_seqs": raw((counts["clip_low"] / seq_tokens).sum()),
+        "clip_high_seqs": raw((counts["clip_high"] / seq_tokens).sum()),
+        "pg_loss": raw(loss),
+    }
     return loss, {**metrics, **tis_metrics, **policy_metrics(batch, ctx)}
+
+
+def _token_tis_metrics(batch: TokenBatch, tis_cap: float) -> Metrics:
+    """Sum of the token-level TIS weights over response tokens and how many hit the cap (chunk by chunk)."""
+    with torch.no_grad():
+        weight_sum = torch.zeros((), device=batch.mask.device)
+        truncated = torch.zeros((), device=batch.mask.device)
+        for part in token_chunks(batch.segments.num_tokens):
+            weights, on = token_tis_weights(batch, tis_cap, part), batch.mask[part]
+            weight_sum += weights.masked_fill_(~on, 0.0).sum()
+            truncated += weights.ge(tis_cap).logical_and_(on).sum()
+    return {"tis_token_weight_sum": raw(weight_sum), "tis_token_truncated": raw(truncated)}
 
 
 def _tis(batch: TokenBatch, ctx: SequenceContext, tis_mode: TISMode, tis_cap: float) -> tuple[Tensor | None, Metrics]:
@@ -369,35 +545,52 @@ def _advantage_metrics(batch: TokenBatch, ctx: SequenceContext, share: Tensor, h
         adv = torch.where(has_tokens, batch.advantages.to(torch.float32), 0.0)
         tokens = ctx.local.tokens
         adv_sum, adv_sq_sum = (adv * tokens).sum(), (adv * adv * tokens).sum()
-        present, zero_seq = has_tokens, adv == 0
-    else:
-        adv = torch.where(batch.mask, batch.token_advantages.to(torch.float32), 0.0)
-        adv_sum, adv_sq_sum = adv.sum(), (adv * adv).sum()
-        present = batch.mask
-        nonzero = batch.segments.sum((adv != 0).to(torch.float32))
+        adv_min, adv_max = _masked_min(adv, has_tokens), _masked_max(adv, has_tokens)
+        zero_seq = adv == 0
+    else:  # per token, chunk by chunk
+        seg, mask = batch.segments, batch.mask
+        adv_sum, adv_sq_sum = torch.zeros((), device=mask.device), torch.zeros((), device=mask.device)
+        adv_min, adv_max = torch.full((), float("inf"), device=mask.device), torch.full((), float("-inf"), device=mask.device)
+        nonzero = torch.zeros(seg.num_seqs, dtype=torch.float32, device=mask.device)
+        for part in token_chunks(seg.num_tokens):
+            on = mask[part]
+            adv = torch.where(on, batch.token_advantages[part].detach().to(torch.float32), 0.0)
+            adv_sum += adv.sum()
+            adv_sq_sum += torch.dot(adv, adv)
+            adv_min = torch.minimum(adv_min, _masked_min(adv, on))
+            adv_max = torch.maximum(adv_max, _masked_max(adv, on))
+            nonzero.index_add_(0, seg.seq_ids[part], adv.ne(0).to(torch.float32))
         zero_seq = has_tokens & (nonzero == 0)
     return {
         "adv_sum": raw(adv_sum),
         "adv_sq_sum": raw(adv_sq_sum),
-        "adv_min": raw(_masked_min(adv, present)),
-        "adv_max": raw(_masked_max(adv, present)),
+        "adv_min": raw(adv_min),
+        "adv_max": raw(adv_max),
         "zero_adv_seqs": raw((zero_seq * share).sum()),
     }
 
 
 def _token_ratio_metrics(token_log_ratio: Tensor, mask: Tensor) -> Metrics:
-    """Sum, min and max of pi_theta / pi_old over response tokens, with one N-float scratch at a time.
+    """Sum, min and max of pi_theta / pi_old and the sum of |log-ratio| over response tokens, chunk by chunk.
 
-    The sum is taken over ratio - 1, which is 0 off the mask (log-ratio 0 there), plus the token count.
+    The ratio sum is taken over ratio - 1, which is 0 off the mask (log-ratio 0 there), plus the token
+    count; min and max are taken on the log-ratio and exponentiated once.
     """
-    clamped_min = _masked_min(token_log_ratio, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    clamped_max = _masked_max(token_log_ratio, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    excess = token_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp_().sub_(1.0).sum()
+    device = token_log_ratio.device
+    abs_sum, excess = torch.zeros((), device=device), torch.zeros((), device=device)
+    low, high = torch.full((), float("inf"), device=device), torch.full((), float("-inf"), device=device)
+    for part in token_chunks(token_log_ratio.numel()):
+        log_r, on = token_log_ratio[part], mask[part]
+        abs_sum += torch.linalg.vector_norm(log_r, ord=1)
+        low = torch.minimum(low, _masked_min(log_r, on))
+        high = torch.maximum(high, _masked_max(log_r, on))
+        excess += log_r.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp_().sub_(1.0).sum()
     empty = mask.sum() == 0
     return {
+        "abs_log_ratio_sum": raw(abs_sum),
         "token_ratio_sum": raw(excess + mask.sum()),
-        "token_ratio_min": raw(torch.where(empty, float("inf"), clamped_min.exp())),
-        "token_ratio_max": raw(torch.where(empty, float("-inf"), clamped_max.exp())),
+        "token_ratio_min": raw(torch.where(empty, float("inf"), low.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp())),
+        "token_ratio_max": raw(torch.where(empty, float("-inf"), high.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp())),
     }
 
 
@@ -413,10 +606,6 @@ def _masked_max(values: Tensor, mask: Tensor) -> Tensor:
     if values.numel() == 0:
         return torch.full((), float("-inf"), device=values.device)
     return torch.where(mask, values, float("-inf")).amax()
-
-
-def _seq_tokens(batch: TokenBatch) -> Tensor:
-    return batch.segments.sum(batch.mask.to(torch.float32))
 
 
 def _at_least_one(count: float | Tensor) -> float | Tensor:

@@ -25,7 +25,7 @@ def policy_loss(
     The KL (or entropy) metric is reported whenever the batch has ``ref_logprobs`` (``entropy``), and
     enters the loss only when its coefficient is non-zero.
     """
-    ctx = sequence_context(batch, reduce_sequence_sums)
+    ctx = sequence_context(batch, reduce_sequence_sums, differentiable=config.algorithm == "gspo")
     clip = {"clip_low": config.clip_low, "clip_high": config.clip_high}
     tis = {"tis_mode": config.tis_mode, "tis_cap": config.tis_cap}
     if config.algorithm == "gspo":
