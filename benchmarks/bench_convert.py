@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/bench_convert.py [--size-gb 1.2] [--workdir /tmp] [--keep]
 
 Generates a synthetic Qwen3-MoE-shaped Hugging Face checkpoint (random bf16 safetensors written
-directly, 4 shards + index; Qwen3-30B-A3B's layer shapes with a 32k vocabulary, layers added until
-``--size-gb`` is reached: one layer is 1.5 GB), then, each in its own process:
+directly, shards capped at a quarter of the total (5 files for 1.5 GB) + index; Qwen3-30B-A3B's layer
+shapes with a 32k vocabulary, layers added until ``--size-gb`` is reached: one layer is 1.5 GB), then,
+each in its own process:
 
 1. ``cp -r`` of the HF folder, then ``sync`` of the copied files (the converters fsync what they write,
    so "cp + sync" is the like-for-like baseline; plain ``cp`` is reported too);
@@ -57,7 +58,8 @@ def model_config(size_gb: float):
 
 
 def generate(directory: Path, config, shards: int = 4, progress: bool = True) -> int:
-    """Random bf16 safetensors for ``config`` (HF names, 4 shards + index), one tensor in memory at a time."""
+    """Random bf16 safetensors for ``config`` (HF names, shards capped at 1/``shards`` of the total, and an
+    index), one tensor in memory at a time."""
     import torch
     from rich.progress import track
 

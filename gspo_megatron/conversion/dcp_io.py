@@ -10,10 +10,13 @@ device (no memory) and reading its sharded state dict. A checkpoint written with
 tensor at those offsets is what a single process would save, and Megatron loads it at any TP/PP/EP
 layout (DCP reads the overlap of each rank's request with the stored chunks).
 
-Writing goes through DCP's own ``FileSystemWriter`` with a planner whose ``resolve_data`` produces each
-chunk only when the writer reaches it, a bounded prefetch ahead. Reading plans every request against
-the stored chunks once with DCP's resharding helper, then loads the records (``torch.load`` of each
-file range, as DCP's ``FileSystemReader`` does) in bounded batches.
+Both directions move bytes, not tensors, wherever they can (``byte_ranges``): every chunk DCP stores is a
+``torch.save`` record, a small zip around the tensor's raw bytes (``torch_records``). Writing runs DCP's
+own save (planning, ``.metadata``) with a writer that builds each record from torch.save's bytes for
+that shape and copies the data into it from the source files. Reading plans every request against the
+stored chunks once with DCP's resharding helper; ``segments`` then locates a request's bytes inside the
+records, and ``read`` loads what cannot be located that way (``torch.load`` of each file range, as DCP's
+``FileSystemReader`` does).
 """
 from __future__ import annotations
 
@@ -22,9 +25,9 @@ import dataclasses
 import io
 import math
 import os
+import pickle
 import sys
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -33,14 +36,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
+from gspo_megatron.conversion.byte_ranges import Piece, Segment, contiguous_span, copy_pieces
 from gspo_megatron.conversion.errors import ConversionError, name_list
-from gspo_megatron.conversion.safetensors_io import WRITEBACK_BYTES, start_writeback
+from gspo_megatron.conversion.safetensors_io import WRITEBACK_BYTES, BackgroundWriteback
 from gspo_megatron.conversion.tables import VOCAB_PARAMS
+from gspo_megatron.conversion.torch_records import FileSlice, PlainRecord, plain_record, record_template
 from gspo_megatron.megatron.model_config import ModelConfig
 
 PREFIX = "model."  # the prefix megatron/checkpoint.py gives the model's keys
@@ -63,7 +71,7 @@ class Chunk:
 @dataclasses.dataclass
 class CheckpointLayout:
     chunks: dict[str, Chunk]  # canonical name -> chunk
-    objects: dict[str, bytes]  # DCP key -> serialized ShardedObject (the linear layers' _extra_state)
+    objects: dict[str, object]  # DCP key -> ShardedObject data (the linear layers' _extra_state)
 
 
 @contextlib.contextmanager
@@ -117,12 +125,10 @@ def checkpoint_layout(config: ModelConfig) -> CheckpointLayout:
     state = model.sharded_state_dict(prefix=PREFIX)
     apply_factories(state)  # SwiGLU fc1 becomes its gate and up halves (two chunks of one key)
     chunks: dict[str, Chunk] = {}
-    objects: dict[str, bytes] = {}
+    objects: dict[str, object] = {}
     for name, value in state.items():
         if isinstance(value, ShardedObject):
-            buffer = io.BytesIO()
-            torch.save([value.data], buffer)  # Megatron stores the list of a key's local objects
-            objects[value.unique_key] = buffer.getvalue()
+            objects[value.unique_key] = value.data
             continue
         pieces = value if isinstance(value, list) else [value]
         if not all(isinstance(p, ShardedTensor) for p in pieces) or len({p.key for p in pieces}) != 1:
@@ -143,7 +149,7 @@ def checkpoint_layout(config: ModelConfig) -> CheckpointLayout:
 class PlannedChunk:
     chunk: Chunk
     dtype: torch.dtype
-    produce: Callable[[], torch.Tensor]  # returns the canonical tensor (shape chunk.shape, this dtype)
+    pieces: list[Piece]  # the canonical tensor's bytes in order (byte_ranges.canonical_pieces)
     name: str  # canonical name, for error messages
 
     @property
@@ -151,76 +157,28 @@ class PlannedChunk:
         return math.prod(self.chunk.shape) * self.dtype.itemsize
 
 
-class _Prefetcher:
-    """Produces the planned chunks in order on one background thread, up to ``budget_bytes`` ahead of
-    the writer, so reading and fusing overlap DCP's writing (file I/O and tensor copies release the GIL).
-    A chunk asked for out of order is produced on the spot."""
+class _ChunkPlanner(SavePlanner):
+    """A DCP SavePlanner over chunks that exist only as byte ranges of the source files: it plans
+    (Megatron's keys, offsets, global shapes) and _RecordWriter writes; nothing is resolved to tensors."""
 
-    def __init__(self, planned: list[PlannedChunk], budget_bytes: int):
-        self._planned = planned
-        self._budget = budget_bytes
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gspo-convert-read")
-        self._futures: dict[int, Future] = {}
-        self._next = 0  # next position to submit
-        self._consumed: set[int] = set()
-        self._ahead = 0  # bytes submitted and not consumed
-
-    def _fill(self) -> None:
-        while self._next < len(self._planned):
-            if self._next in self._consumed:
-                self._next += 1
-                continue
-            nbytes = self._planned[self._next].nbytes
-            if self._ahead and self._ahead + nbytes > self._budget:
-                return
-            self._futures[self._next] = self._pool.submit(self._planned[self._next].produce)
-            self._ahead += nbytes
-            self._next += 1
-
-    def get(self, position: int) -> torch.Tensor:
-        self._consumed.add(position)
-        future = self._futures.pop(position, None)
-        if future is None:
-            return self._planned[position].produce()
-        tensor = future.result()
-        self._ahead -= self._planned[position].nbytes
-        self._fill()
-        return tensor
-
-    def start(self) -> None:
-        self._fill()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-class _LazySavePlanner(SavePlanner):
-    """A DCP SavePlanner over chunks that do not exist until the writer asks for them."""
-
-    def __init__(self, directory: Path, planned: list[PlannedChunk], objects: dict[str, bytes],
-                 prefetcher: _Prefetcher, on_write: Callable[[int], None]):
-        self._items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in objects]
-        self._sources: dict = {MetadataIndex(key): objects[key] for key in objects}
-        for position, p in enumerate(planned):
+    def __init__(self, planned: list[PlannedChunk], object_keys: list[str]):
+        self.items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in object_keys]
+        self.chunks: dict[MetadataIndex, PlannedChunk] = {}
+        for p in planned:
             index = MetadataIndex(p.chunk.key, torch.Size(p.chunk.offsets))
-            self._items.append(WriteItem(
+            self.items.append(WriteItem(
                 index=index, type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(offsets=torch.Size(p.chunk.offsets), sizes=torch.Size(p.chunk.sizes)),
                     properties=TensorProperties(dtype=p.dtype), size=torch.Size(p.chunk.global_shape))))
-            self._sources[index] = position
-        self._planned = planned
-        self._prefetcher = prefetcher
-        self._on_write = on_write
-        self._directory = directory
-        self._unflushed = 0
+            self.chunks[index] = p
 
     # the SavePlanner protocol (torch.distributed.checkpoint.planner.SavePlanner)
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         pass
 
     def create_local_plan(self):
-        return SavePlan(items=self._items)
+        return SavePlan(items=self.items)
 
     def create_global_plan(self, all_plans):
         plans, metadata = create_default_global_save_plan(all_plans)
@@ -228,28 +186,71 @@ class _LazySavePlanner(SavePlanner):
         return plans, metadata
 
     def finish_plan(self, new_plan):
-        self._prefetcher.start()
         return new_plan
 
     def resolve_data(self, write_item):
-        source = self._sources[write_item.index]
-        if isinstance(source, bytes):
-            return io.BytesIO(source)
-        planned = self._planned[source]
-        tensor = self._prefetcher.get(source)
-        if tuple(tensor.shape) != planned.chunk.shape or tensor.dtype != planned.dtype:
-            raise ConversionError(f"{planned.name}: produced {list(tensor.shape)} {tensor.dtype}, the model "
-                                  f"needs {list(planned.chunk.shape)} {planned.dtype}")
-        nbytes = tensor.numel() * tensor.element_size()
-        self._on_write(nbytes)
-        self._unflushed += nbytes
-        if self._unflushed >= WRITEBACK_BYTES:  # what the writer wrote so far goes to the disk now
-            for path in self._directory.glob("*.distcp"):
-                fd = os.open(path, os.O_RDONLY)
-                start_writeback(fd)
-                os.close(fd)
-            self._unflushed = 0
-        return tensor.reshape(planned.chunk.sizes).contiguous()
+        raise RuntimeError(f"{write_item.index}: _RecordWriter copies the chunks' bytes; nothing resolves tensors")
+
+
+class _RecordWriter(dcp.FileSystemWriter):
+    """DCP's FileSystemWriter (planning, ``.metadata``) with its data step replaced: one file per rank,
+    as ``single_file_per_rank`` writes it (objects, then tensor records, each at the offset its
+    ``_StorageInfo`` names), but each tensor record is ``torch.save``'s zip built around the data
+    (``torch_records.record_template``) and the data is copied from the source files in the kernel.
+    The disk writes start every WRITEBACK_BYTES on a background thread; the file is fsynced at the end."""
+
+    def __init__(self, directory: Path, objects: dict[str, bytes], on_write: Callable[[int], None]):
+        super().__init__(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
+        self._directory = directory
+        self._objects = objects
+        self._on_write = on_write
+
+    def write_data(self, plan, planner: _ChunkPlanner):
+        file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        path = self._directory / file_name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with BackgroundWriteback() as writeback:  # stopped (no longer using fd) when the block ends
+                results = self._write_records(fd, file_name, path, plan, planner, writeback)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write_records(self, fd: int, file_name: str, path: Path, plan, planner: _ChunkPlanner,
+                       writeback: BackgroundWriteback) -> list[WriteResult]:
+        results, position, unflushed = [], 0, 0
+        for item in sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO):  # objects first, as DCP
+            start = position
+            if item.type == WriteItemType.BYTE_IO:
+                position += _pwrite_all(fd, self._objects[item.index.fqn], position)
+            else:
+                source = planner.chunks[item.index]
+                if sum(p.nbytes for p in source.pieces) != source.nbytes:
+                    raise ConversionError(f"{source.name}: the source bytes add up to "
+                                          f"{sum(p.nbytes for p in source.pieces)}, the model needs "
+                                          f"{list(source.chunk.shape)} {source.dtype} ({source.nbytes} bytes)")
+                prefix, suffix = record_template(source.chunk.sizes, source.dtype)
+                position += _pwrite_all(fd, prefix, position)
+                position += copy_pieces(source.pieces, fd, position, str(path))
+                position += _pwrite_all(fd, suffix, position)
+                self._on_write(source.nbytes)
+                unflushed += source.nbytes
+            results.append(WriteResult(index=item.index, size_in_bytes=position - start,
+                                       storage_data=_StorageInfo(file_name, start, position - start)))
+            if unflushed >= WRITEBACK_BYTES:  # what is written so far goes to the disk now
+                writeback.kick(fd)
+                unflushed = 0
+        return results
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> int:
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
 
 
 def _check_coverage(metadata) -> None:
@@ -266,44 +267,41 @@ def _check_coverage(metadata) -> None:
                                   f"({len(offsets)} chunks, {len(offsets) - len(set(offsets))} repeated)")
 
 
-@contextlib.contextmanager
-def _without_zip_crc32() -> Iterator[None]:
-    """DCP stores each chunk as a torch.save zip; computing the zip records' CRC32 took 2/3 of
-    torch.save's time (1.4 ms vs 0.5 ms per 1.5 MB here). torch.load does not check it and DCP has no
-    checksums of its own. Process-wide while it lasts: conversion is the only work of its process."""
-    from torch.utils.serialization import config
-
-    saved = config.save.compute_crc32
-    config.save.compute_crc32 = False
-    try:
-        yield
-    finally:
-        config.save.compute_crc32 = saved
-
-
-def write_checkpoint(directory: Path, planned: list[PlannedChunk], objects: dict[str, bytes],
-                     on_write: Callable[[int], None], prefetch_bytes: int = 64 * 2**20) -> None:
+def write_checkpoint(directory: Path, planned: list[PlannedChunk], objects: dict[str, object],
+                     on_write: Callable[[int], None]) -> None:
     """Write a torch_dist checkpoint into the (new, empty) ``directory``, chunks in the order given,
-    producing them at most ``prefetch_bytes`` ahead of the writer."""
+    each copied from its pieces (no tensor is loaded). ``objects``: ``CheckpointLayout.objects``."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
-    writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1,
-                                  overwrite=False)
-    prefetcher = _Prefetcher(planned, prefetch_bytes)
-    planner = _LazySavePlanner(directory, planned, objects, prefetcher, on_write)
-    with warnings.catch_warnings(), _without_zip_crc32():
+    serialized = serialize_objects(objects)
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         try:
-            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+            dcp.save({}, storage_writer=_RecordWriter(directory, serialized, on_write),
+                     planner=_ChunkPlanner(planned, list(serialized)), no_dist=True)
         except CheckpointException as err:
             # DCP wraps whatever a planner raised (a BaseException carrying (exception, trace) per rank);
             # re-raise ours, e.g. a ConversionError naming the tensor, with its own traceback
             (exception, _), = err.failures.values()
             raise exception from None
-        finally:
-            prefetcher.close()
     torch.save({}, directory / "common.pt")  # the model's sharded_state_dict has no common (unsharded) part
     save_config(CheckpointingConfig("torch_dist", 1), str(directory))
+
+
+def serialize_objects(objects: dict[str, object]) -> dict[str, bytes]:
+    """Each ShardedObject as Megatron stores it: ``torch.save`` of the list of the key's local objects.
+    Objects that pickle alike serialize alike, so torch.save runs once per distinct object (258 calls,
+    0.2 s, for the 258 ``_extra_state`` = None of a 48-layer MoE model otherwise)."""
+    by_pickle: dict[bytes, bytes] = {}
+    out = {}
+    for key, data in objects.items():
+        pickled = pickle.dumps(data, protocol=2)
+        if pickled not in by_pickle:
+            buffer = io.BytesIO()
+            torch.save([data], buffer)
+            by_pickle[pickled] = buffer.getvalue()
+        out[key] = by_pickle[pickled]
+    return out
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -316,35 +314,6 @@ class Request:
     sizes: tuple[int, ...]
     shape: tuple[int, ...]  # canonical shape (sizes without the leading singleton axes)
     dtype: torch.dtype
-
-
-class _FileSlice(io.RawIOBase):
-    """A read-only window [offset, offset + length) of an open file (positioned reads, no shared file
-    position): what torch.load reads one DCP record through."""
-
-    def __init__(self, fd: int, offset: int, length: int):
-        super().__init__()
-        self._fd, self._start, self._length, self._pos = fd, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, min(self._length, base + offset))
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")[:max(0, self._length - self._pos)]
-        n = os.preadv(self._fd, [view], self._start + self._pos) if len(view) else 0
-        self._pos += n
-        return n
 
 
 def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
@@ -366,9 +335,11 @@ class CheckpointReader:
         self._reader.set_up_storage_reader(self.metadata, True)
         self._by_lead: dict[str, dict | None] = {}
         self._fds: dict[str, int] = {}
+        self._records: dict[MetadataIndex, PlainRecord | None] = {}
+        self._chunk_sizes: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
 
     def tensor_keys(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    
+        """Global shape and dtype of every tensor key in the checkpoint."""
         return {key: (tuple(md.size), md.properties.dtype) for key, md in self.metadata.state_dict_metadata.items()
                 if isinstance(md, TensorStorageMetadata)}
 
@@ -410,6 +381,40 @@ class CheckpointReader:
         info = self._reader.storage_data[item.storage_index]
         return info.relative_path, info.offset
 
+    def segments(self, request: Request, items: list) -> list[Segment] | None:
+        """The request's bytes (row-major, shape ``request.sizes``) as byte ranges of the data files,
+        sorted and covering it once, when every read item is a contiguous run on both sides of a plain
+        record of the request's dtype: a converted checkpoint's chunks, or row slices (TP on dim 0, EP,
+        PP, a padded vocabulary's first rows) of one saved by training. None otherwise (column slices,
+        stream transforms, another dtype, a record torch.save did not write as one plain tensor)."""
+        itemsize = request.dtype.itemsize
+        out = []
+        for item in items:
+            info = self._reader.storage_data[item.storage_index]
+            record = None if info.transform_descriptors else self._record(item.storage_index)
+            if record is None or record.dtype != request.dtype:
+                return None
+            source = contiguous_span(item.storage_offsets, item.lengths, record.shape)
+            dest = contiguous_span(item.dest_offsets, item.lengths, request.sizes)
+            if source is None or dest is None:
+                return None
+            path = self.directory / info.relative_path
+            piece = Piece(self._fd(info.relative_path), info.offset + record.data_offset + source[0] * itemsize,
+                          source[1] * itemsize, str(path))
+            out.append(Segment(dest[0] * itemsize, piece))
+        return sorted(out)
+
+    def _record(self, index: MetadataIndex) -> PlainRecord | None:
+        if index not in self._records:
+            info = self._reader.storage_data[index]
+            md = self.metadata.state_dict_metadata[index.fqn]
+            if index.fqn not in self._chunk_sizes:
+                self._chunk_sizes[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
+            sizes = self._chunk_sizes[index.fqn][tuple(index.offset)]
+            record = FileSlice(self._fd(info.relative_path), info.offset, info.length)
+            self._records[index] = plain_record(record, sizes, md.properties.dtype)
+        return self._records[index]
+
     def read(self, requests: list[Request], items: dict[str, list]) -> dict[str, torch.Tensor]:
         """The canonical tensors of ``requests`` (read items from ``plan``), each file read front to back.
 
@@ -426,7 +431,7 @@ class CheckpointReader:
                 raise ConversionError(f"{self.directory}: {request.key}: stored with stream transforms "
                                       f"{info.transform_descriptors}, which this reader does not apply")
             fd = self._fd(info.relative_path)
-            stored = torch.load(_FileSlice(fd, info.offset, info.length), map_location="cpu", weights_only=True)
+            stored = torch.load(FileSlice(fd, info.offset, info.length), map_location="cpu", weights_only=True)
             piece = _narrow(stored, item.storage_offsets, item.lengths)
             if len(items[request.name]) == 1 and tuple(piece.shape) == request.sizes and piece.dtype == request.dtype:
                 out[request.name] = piece.reshape(request.shape)

@@ -2,14 +2,16 @@
 
 ``hf_to_megatron`` writes one layout-free checkpoint (what a single process would save): Megatron loads
 it at any TP/PP/EP that divides the model, so the ``--tp/--pp/--ep`` flags only validate divisibility.
-Each table entry's HF tensors are read and fused when DCP's writer reaches that chunk, by a background
-thread at most 64 MiB ahead of it.
 ``megatron_to_hf`` reads any torch_dist checkpoint of the model (converted, or saved by training at any
-layout) in 64 MiB batches and writes size-capped safetensors shards whose headers are planned up front.
-(A read-ahead thread for this direction was tried and dropped: torch.load's unpickling holds the GIL,
-and it measured no faster.)
-Memory stays near 64 MiB plus one tensor; outputs appear under their final name only when complete
-(temporary sibling folder, renamed at the end).
+layout) and writes size-capped safetensors shards whose headers are planned up front.
+
+Neither direction loads tensors where it can avoid it: each transform is a permutation of rows, so a
+converted tensor is a list of byte ranges of the source files, copied in the kernel
+(``byte_ranges``; DCP's records are built and located by ``torch_records``). Only what is not a row
+permutation of stored bytes is loaded, in 64 MiB batches: a cast (``--dtype``), or chunks that split a
+tensor's columns (e.g. a row-parallel layer saved at TP > 1). Memory therefore stays near the 64 MiB
+batch; outputs appear under their final name only when complete (temporary sibling folder, renamed at
+the end).
 """
 from __future__ import annotations
 
@@ -25,9 +27,10 @@ from typing import Iterator
 import torch
 
 from gspo_megatron.conversion import dcp_io
+from gspo_megatron.conversion.byte_ranges import canonical_pieces, hf_pieces
 from gspo_megatron.conversion.errors import ConversionError, name_list
-from gspo_megatron.conversion.safetensors_io import (INDEX_NAME, HFCheckpoint, SafetensorsWriter, TensorSpec,
-                                                     plan_shards, write_index)
+from gspo_megatron.conversion.safetensors_io import (INDEX_NAME, BackgroundWriteback, HFCheckpoint,
+                                                     SafetensorsWriter, TensorSpec, plan_shards, write_index)
 from gspo_megatron.conversion.tables import Entry, expand, validate_layout
 from gspo_megatron.megatron.model_config import ModelConfig
 
@@ -191,8 +194,7 @@ def _hf_to_megatron(hf_dir: Path, out: Path, tensor_parallel: int, pipeline_para
         dtypes = _check_hf_tensors(hf, entries, layout, config)
         # read each source file front to back
         ordered = sorted(entries, key=lambda e: hf.location(e.hf[0]))
-        planned = [dcp_io.PlannedChunk(layout.chunks[e.megatron], dtypes[e.megatron],
-                                       _producer(hf, e), e.megatron) for e in ordered]
+        planned = [_planned_chunk(hf, e, layout.chunks[e.megatron], dtypes[e.megatron]) for e in ordered]
         total = sum(hf.tensors[h].spec.nbytes for h in hf.tensors)
         with atomic_output(out, overwrite, (hf_dir,)) as tmp:
             with progress_bar(total, "hf -> megatron", progress) as bar:
@@ -206,8 +208,11 @@ def _hf_to_megatron(hf_dir: Path, out: Path, tensor_parallel: int, pipeline_para
     return out
 
 
-def _producer(hf: HFCheckpoint, entry: Entry):
-    return lambda: entry.transform.to_megatron([hf.read(name) for name in entry.hf])
+def _planned_chunk(hf: HFCheckpoint, entry: Entry, chunk: dcp_io.Chunk, dtype: torch.dtype) -> dcp_io.PlannedChunk:
+    """The chunk's bytes as byte ranges of the HF files (what ``to_megatron`` would compute, as rows)."""
+    pieces = canonical_pieces(entry.transform.row_blocks(chunk.shape), chunk.shape, dtype.itemsize,
+                              [hf.piece(name) for name in entry.hf])
+    return dcp_io.PlannedChunk(chunk, dtype, pieces, entry.megatron)
 
 
 # ---- Megatron -> HF ------------------------------------------------------------------------------
@@ -300,48 +305,81 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
         if max_shard_bytes is None and template is not None and (template / INDEX_NAME).is_file():
             template_index = json.loads((template / INDEX_NAME).read_text())
         plan = plan_shards(specs, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, template_index)
+        by_name = {e.megatron: e for e in entries}
         # read the checkpoint's data files front to back
         order = sorted(requests.values(), key=lambda r: reader.location(items[r.name][0]))
         with atomic_output(out, overwrite, inputs) as tmp:
-            with progress_bar(sum(s.nbytes for s in specs), "megatron -> hf", progress) as bar:
-                batches = ((batch, reader.read(batch, items)) for batch in _batches(order, read_batch_bytes))
-                _write_shards(tmp, plan, entries, batches, dtype, bar.update)
+            with progress_bar(sum(s.nbytes for s in specs), "megatron -> hf", progress) as bar, \
+                    _ShardWriters(tmp, plan, bar.update) as shards:
+                loaded = []
+                for request in order:
+                    segments = reader.segments(request, items[request.name]) if dtype in (None, request.dtype) else None
+                    if segments is None:
+                        loaded.append(request)
+                        continue
+                    entry = by_name[request.name]
+                    blocks = entry.transform.row_blocks(request.shape)
+                    for name, pieces in zip(entry.hf, hf_pieces(blocks, request.shape, request.dtype.itemsize,
+                                                                 len(entry.hf), segments)):
+                        shards.copy(name, pieces)
+                for batch in _batches(loaded, read_batch_bytes):
+                    tensors = reader.read(batch, items)
+                    for request in batch:
+                        entry = by_name[request.name]
+                        for name, tensor in zip(entry.hf, entry.transform.to_hf(tensors.pop(request.name))):
+                            shards.write(name, tensor.to(dtype) if dtype is not None else tensor)
             if plan.index is not None:
                 write_index(tmp, plan.index)
             _write_hf_config(template, config, tmp, dtype, next(iter(requests.values())).dtype)
     return out
 
 
-def _write_shards(directory: Path, plan, entries: list[Entry], batches, dtype: torch.dtype | None, on_write) -> None:
-    """Split each canonical tensor into its HF tensors and write them into the planned shards."""
-    by_name = {e.megatron: e for e in entries}
-    file_of = {s.name: file for file, group in plan.files.items() for s in group}
-    with contextlib.ExitStack() as stack:
-        writers = {file: stack.enter_context(_closing(SafetensorsWriter(directory / file, group)))
-                   for file, group in plan.files.items()}
-        for batch, tensors in batches:
-            for request in batch:
-                entry = by_name[request.name]
-                for name, tensor in zip(entry.hf, entry.transform.to_hf(tensors.pop(request.name))):
-                    tensor = tensor.to(dtype) if dtype is not None else tensor
-                    writer = writers[file_of[name]]
-                    writer.write(name, tensor)
-                    if writer.complete:
-                        writer.close()  # checked and fsynced as soon as it is whole
-                    on_write(tensor.numel() * tensor.element_size())
+class _ShardWriters:
+    """The planned shards' writers: tensors go to their shard; the disk writes of a shard start on the
+    writeback thread as it fills and when it is whole, and every shard is checked and fsynced at the end
+    (by then little is left to write). On failure the files are released without syncing (the folder is
+    being discarded)."""
 
+    def __init__(self, directory: Path, plan, on_write):
+        self._file_of = {s.name: file for file, group in plan.files.items() for s in group}
+        self._writeback = BackgroundWriteback()
+        self._writers = {file: SafetensorsWriter(directory / file, group, writeback=self._writeback)
+                         for file, group in plan.files.items()}
+        self._on_write = on_write
 
-@contextlib.contextmanager
-def _closing(writer: SafetensorsWriter) -> Iterator[SafetensorsWriter]:
-    """Close (checking completeness, fsync) on success; just release the file on failure."""
-    try:
-        yield writer
-    except BaseException:
-        if not writer.closed:
-            writer.abort()
-        raise
-    if not writer.closed:
-        writer.close()
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        writer = self._writers[self._file_of[name]]
+        writer.write(name, tensor)
+        self._done(writer, tensor.numel() * tensor.element_size())
+
+    def copy(self, name: str, pieces) -> None:
+        writer = self._writers[self._file_of[name]]
+        writer.copy(name, pieces)
+        self._done(writer, sum(p.nbytes for p in pieces))
+
+    def _done(self, writer: SafetensorsWriter, nbytes: int) -> None:
+        if writer.complete:
+            self._writeback.kick(writer.fileno())
+        self._on_write(nbytes)
+
+    def __enter__(self) -> "_ShardWriters":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        failing = exc_type is not None
+        try:
+            for writer in self._writers.values():
+                if writer.closed:
+                    continue
+                if failing:
+                    writer.abort()
+                else:
+                    writer.close()
+        except BaseException:
+            failing = True
+            raise
+        finally:
+            self._writeback.close(raise_error=not failing)
 
 
 def _batches(requests: list[dcp_io.Request], batch_bytes: int) -> Iterator[list[dcp_io.Request]]:

@@ -4,10 +4,12 @@ Format (https://github.com/huggingface/safetensors): 8-byte little-endian header
 JSON (``{"__metadata__": {...}, name: {"dtype", "shape", "data_offsets": [begin, end]}}``, padded with
 spaces to a multiple of 8), then the raw little-endian tensor bytes.
 
-Reading uses plain positioned reads into a fresh tensor rather than a memory map: a mapped file's pages
-count as the process's resident memory while mapped, and the converters must stay far below the
-checkpoint's size. Writing knows every tensor's name, dtype and shape in advance (from the model
-config), so each shard's header is written first and tensors land at their offsets in any order.
+The offline converters mostly do not read tensors: ``HFCheckpoint.piece`` gives a tensor's byte range
+and ``SafetensorsWriter.copy`` fills a tensor from byte ranges of other files (``byte_ranges``).
+``read`` (for the trainer) uses plain positioned reads into a fresh tensor rather than a memory map: a
+mapped file's pages count as the process's resident memory while mapped, and the converters must stay
+far below the checkpoint's size. Writing knows every tensor's name, dtype and shape in advance (from the
+model config), so each shard's header is written first and tensors land at their offsets in any order.
 The byte layout (tensors sorted by dtype, then name; compact JSON) is the safetensors library's own, so
 a shard written here is byte-identical to ``safetensors.torch.save_file`` of the same tensors.
 """
@@ -18,11 +20,13 @@ import dataclasses
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
+from gspo_megatron.conversion.byte_ranges import Piece, copy_pieces
 from gspo_megatron.conversion.errors import ConversionError, name_list
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -108,15 +112,86 @@ _sync_file_range = _load_sync_file_range()
 
 
 def start_writeback(fd: int) -> None:
-    """Start writing the file's dirty pages to the disk now, without waiting (Linux sync_file_range;
-    elsewhere a no-op). A streaming writer otherwise fills the page cache and its final fsync writes
-    everything at once: 1.5 GB in 6 MB writes took 1.5-2.9 s (write + fsync) here, 1.05 s with this
-    every 60 MB. The pages stay cached."""
+    """Start writing the file's dirty pages to the disk now (Linux sync_file_range; elsewhere a no-op).
+    A streaming writer otherwise fills the page cache and its final fsync writes everything at once. The
+    pages stay cached. The call itself blocks while the device's queue is full (10-20 ms a call here),
+    so the converters make it on a thread of their own (``BackgroundWriteback``)."""
     if _sync_file_range is None:
         return
     if _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+
+
+class BackgroundWriteback:
+    """Starts the disk writes of files being written, on its own thread, so that the disk works while the
+    writer keeps copying and the final fsync has little left to do (ctypes calls release the GIL).
+
+    ``kick(fd)`` asks for a writeback of ``fd`` (kicks that arrive while one runs are merged);
+    ``forget(fd)`` must come before the writer closes ``fd`` (it waits for a writeback of ``fd`` in
+    progress, so the number is never used after it is closed). An error on the thread is raised by the
+    next ``kick`` or by ``close``. Use as a context manager.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._pending: set[int] = set()
+        self._busy: int | None = None
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gspo-convert-writeback", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._stop)
+                if not self._pending:  # stopped, nothing left to start
+                    return
+                fd = self._busy = self._pending.pop()
+            try:
+                start_writeback(fd)
+            except BaseException as err:  # handed to the writer's thread, raised there
+                with self._cond:
+                    self._error, self._stop = err, True
+                    self._pending.clear()
+            finally:
+                with self._cond:
+                    self._busy = None
+                    self._cond.notify_all()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def kick(self, fd: int) -> None:
+        with self._cond:
+            self._raise_error()
+            self._pending.add(fd)
+            self._cond.notify_all()
+
+    def forget(self, fd: int) -> None:
+        with self._cond:
+            self._pending.discard(fd)
+            self._cond.wait_for(lambda: self._busy != fd)
+
+    def close(self, raise_error: bool = True) -> None:
+        """Start what was kicked, then stop the thread; ``raise_error=False`` when the caller is already
+        failing (drop what was kicked, keep the caller's error)."""
+        with self._cond:
+            self._stop = True
+            if not raise_error:
+                self._pending.clear()
+            self._cond.notify_all()
+        self._thread.join()
+        if raise_error:
+            self._raise_error()
+
+    def __enter__(self) -> "BackgroundWriteback":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(raise_error=exc_type is None)
 
 
 def _read_exact(fd: int, path: Path, offset: int, out: torch.Tensor) -> None:
@@ -192,6 +267,11 @@ class HFCheckpoint:
         _read_exact(self._fds[stored.path], stored.path, stored.offset, raw)
         return raw.view(stored.spec.dtype).reshape(stored.spec.shape)
 
+    def piece(self, name: str) -> Piece:
+        """The tensor's bytes in its file, for copying them without reading them here."""
+        stored = self.tensors[name]
+        return Piece(self._fds[stored.path], stored.offset, stored.spec.nbytes, str(stored.path))
+
     def location(self, name: str) -> tuple[str, int]:
         """(file name, byte offset): sort reads by it to read each file front to back."""
         stored = self.tensors[name]
@@ -199,10 +279,13 @@ class HFCheckpoint:
 
 
 class SafetensorsWriter:
-    """Writes one .safetensors file whose tensors are known up front; ``write`` them in any order."""
+    """Writes one .safetensors file whose tensors are known up front; ``write`` (a tensor) or ``copy``
+    (byte ranges of other files) them in any order."""
 
-    def __init__(self, path: Path, specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None):
+    def __init__(self, path: Path, specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None,
+                 writeback: BackgroundWriteback | None = None):
         self.path = path
+        self._writeback = writeback  # None: start the disk writes on this thread
         ordered = sorted(specs, key=lambda s: (-_DTYPE_RANK[DTYPE_NAMES[s.dtype]], s.name))
         header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
         self._slots: dict[str, tuple[TensorSpec, int]] = {}
@@ -222,11 +305,7 @@ class SafetensorsWriter:
         self._unflushed = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        if name not in self._slots:
-            raise ConversionError(f"{self.path.name}: {name}: not planned for this shard")
-        if name in self._written:
-            raise ConversionError(f"{self.path.name}: {name}: written twice")
-        spec, position = self._slots[name]
+        spec, position = self._claim(name)
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
             raise ConversionError(f"{self.path.name}: {name}: got {list(tensor.shape)} {tensor.dtype}, "
                                   f"planned {list(spec.shape)} {spec.dtype}")
@@ -234,10 +313,33 @@ class SafetensorsWriter:
         done = 0
         while done < len(data):
             done += os.pwrite(self._fd, data[done:], self._data_start + position + done)
+        self._wrote(name, len(data))
+
+    def copy(self, name: str, pieces: list[Piece]) -> None:
+        """Write tensor ``name`` from byte ranges of other files (its bytes in order), in the kernel."""
+        spec, position = self._claim(name)
+        nbytes = sum(p.nbytes for p in pieces)
+        if nbytes != spec.nbytes:
+            raise ConversionError(f"{self.path.name}: {name}: got {nbytes} bytes, planned {list(spec.shape)} "
+                                  f"{spec.dtype} ({spec.nbytes} bytes)")
+        copy_pieces(pieces, self._fd, self._data_start + position, str(self.path))
+        self._wrote(name, nbytes)
+
+    def _claim(self, name: str) -> tuple[TensorSpec, int]:
+        if name not in self._slots:
+            raise ConversionError(f"{self.path.name}: {name}: not planned for this shard")
+        if name in self._written:
+            raise ConversionError(f"{self.path.name}: {name}: written twice")
+        return self._slots[name]
+
+    def _wrote(self, name: str, nbytes: int) -> None:
         self._written.add(name)
-        self._unflushed += len(data)
+        self._unflushed += nbytes
         if self._unflushed >= WRITEBACK_BYTES:
-            start_writeback(self._fd)
+            if self._writeback is None:
+                start_writeback(self._fd)
+            else:
+                self._writeback.kick(self._fd)
             self._unflushed = 0
 
     @property
@@ -248,6 +350,9 @@ class SafetensorsWriter:
     def closed(self) -> bool:
         return self._fd < 0
 
+    def fileno(self) -> int:
+        return self._fd
+
     def close(self) -> None:
         missing = set(self._slots) - self._written
         if missing:
@@ -257,6 +362,8 @@ class SafetensorsWriter:
 
     def abort(self) -> None:
         """Release the file without checking or syncing it (the caller is discarding it)."""
+        if self._writeback is not None:
+            self._writeback.forget(self._fd)
         os.close(self._fd)
         self._fd = -1
 

@@ -5,6 +5,10 @@ A transform turns the Hugging Face tensors of one table row into the one canonic
 a checkpoint can be validated before anything is read. Round trips are exact: only reshapes, concats and
 slices, never arithmetic, so HF -> Megatron -> HF returns the same bytes.
 
+Every transform is a permutation of whole rows (slices along dim 0), and ``row_blocks`` states it as
+such: the offline converters use it to copy byte ranges between files without loading tensors, the
+tensor methods serve the live export and the paths that must load (casts, column-split chunks).
+
 Expert renumbering (global <-> (EP rank, local)) is the other shared piece: the Transformer Engine name
 translation in ``tables.py`` uses it for grouped experts, whose names carry the *local* expert number.
 Layer renumbering (stage-local <-> global) lives in ``megatron/sharding.py``.
@@ -12,11 +16,21 @@ Layer renumbering (stage-local <-> global) lives in ``megatron/sharding.py``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 Shape = tuple[int, ...]
+
+
+class RowBlock(NamedTuple):
+    """Rows [canonical_row, canonical_row + rows) of the canonical tensor are rows [hf_row, hf_row + rows)
+    of HF tensor number ``hf``. A transform's blocks cover every row of both sides exactly once."""
+
+    hf: int
+    hf_row: int
+    canonical_row: int
+    rows: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +46,9 @@ class Identity:
 
     def to_hf(self, canonical: torch.Tensor) -> list[torch.Tensor]:
         return [canonical]
+
+    def row_blocks(self, canonical: Shape) -> list[RowBlock]:
+        return [RowBlock(0, 0, 0, canonical[0])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +82,17 @@ class FusedQKV:
         q, k, v = per_group.split([self.heads // g * d, d, d], dim=1)
         return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
 
+    def row_blocks(self, canonical: Shape) -> list[RowBlock]:
+        """Group g: q rows [g*Q, (g+1)*Q), then k and v rows [g*d, (g+1)*d), at canonical rows from
+        g*(Q + 2d), with Q = H/G*d query rows per group."""
+        d, queries = self.head_dim, self.heads // self.groups * self.head_dim
+        blocks = []
+        for g in range(self.groups):
+            start = g * (queries + 2 * d)
+            blocks += [RowBlock(0, g * queries, start, queries), RowBlock(1, g * d, start + queries, d),
+                       RowBlock(2, g * d, start + queries + d, d)]
+        return blocks
+
 
 @dataclasses.dataclass(frozen=True)
 class FusedGateUp:
@@ -83,6 +111,10 @@ class FusedGateUp:
 
     def to_hf(self, canonical: torch.Tensor) -> list[torch.Tensor]:
         return [t.contiguous() for t in canonical.chunk(2, dim=0)]
+
+    def row_blocks(self, canonical: Shape) -> list[RowBlock]:
+        half = canonical[0] // 2
+        return [RowBlock(0, 0, 0, half), RowBlock(1, 0, half, half)]
 
 
 Transform = Identity | FusedQKV | FusedGateUp

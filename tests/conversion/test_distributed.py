@@ -62,14 +62,36 @@ def test_checkpoint_saved_at_tp2_loads_at_another_layout(runs, layout):
     assert max(_logit_diffs(results, "resaved", layout)) < ATOL
 
 
-def test_checkpoint_saved_by_megatron_at_tp2_converts_back_to_the_same_tensors(runs, tmp_path):
+def test_checkpoint_saved_by_megatron_at_tp2_converts_back_to_the_same_tensors(runs, tmp_path, monkeypatch):
     folders, resaved, _ = runs
     hf = folders["qwen3_moe"][0]
     # the saved checkpoint is really split the TP=2 way (not our one-chunk-per-tensor layout)
     with dcp_io.CheckpointReader(resaved) as reader:
         chunks = reader.metadata.state_dict_metadata["model.decoder.layers.self_attention.linear_qkv.weight"].chunks
     assert len(chunks) == 4 and {tuple(c.sizes) for c in chunks} == {(1, 64, 64)}
+    segmented, loaded = {}, []
+    real_segments, real_read = dcp_io.CheckpointReader.segments, dcp_io.CheckpointReader.read
+
+    def recording_segments(self, request, items):
+        out = real_segments(self, request, items)
+        if out is not None:
+            segmented[request.name] = len(out)
+        return out
+
+    def recording_read(self, requests, items):
+        loaded.extend(r.name for r in requests)
+        return real_read(self, requests, items)
+
+    monkeypatch.setattr(dcp_io.CheckpointReader, "segments", recording_segments)
+    monkeypatch.setattr(dcp_io.CheckpointReader, "read", recording_read)
     back = offline.megatron_to_hf(resaved, tmp_path / "back", hf_template=hf, progress=False)
     ours, theirs = read_all(back), read_all(hf)
     assert ours.keys() == theirs.keys()
     assert all(ours[k].dtype == theirs[k].dtype and (ours[k] == theirs[k]).all() for k in theirs)
+    # TP row slices (qkv: 2 records; fc1: the gate and up halves of 2 ranks) are copied as bytes, column
+    # slices (the row-parallel linear_proj and expert fc2) are loaded
+    assert segmented["decoder.layers.0.self_attention.linear_qkv.weight"] == 2
+    assert segmented["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"] == 4
+    assert {"decoder.layers.0.self_attention.linear_proj.weight",
+            "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"} <= set(loaded)
+    assert set(segmented).isdisjoint(loaded)

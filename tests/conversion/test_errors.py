@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from gspo_megatron.conversion import offline
 from gspo_megatron.conversion.errors import ConversionError
-from gspo_megatron.conversion.transforms import FusedGateUp, FusedQKV
+from gspo_megatron.conversion.transforms import FusedQKV
 from gspo_megatron.typed_config import ConfigError
 from tests.conversion.hf_models import make_hf_dir
 
@@ -105,22 +105,32 @@ def test_non_empty_output_needs_overwrite(source, tmp_path):
 
 
 def test_failure_mid_write_leaves_nothing(source, tmp_path, monkeypatch):
-    calls = []
+    from gspo_megatron.conversion import byte_ranges
 
-    def failing(self, hf):
+    calls = []
+    real = byte_ranges._copy_range
+
+    def failing(*args):
         calls.append(1)
         if len(calls) == 3:
-            raise RuntimeError("disk on fire")
-        return torch.cat(list(hf))
+            raise OSError(28, "No space left on device")
+        return real(*args)
 
-    monkeypatch.setattr(FusedGateUp, "to_megatron", failing)
-    with pytest.raises(RuntimeError, match="disk on fire"):
+    monkeypatch.setattr(byte_ranges, "_copy_range", failing)
+    with pytest.raises(OSError, match="No space left"):
         offline.hf_to_megatron(source[0], tmp_path / "meg", progress=False)
-    assert len(calls) >= 3 and not (tmp_path / "meg").exists() and _leftovers(tmp_path) == []
+    assert len(calls) == 3 and not (tmp_path / "meg").exists() and _leftovers(tmp_path) == []
 
+    calls.clear()
+    with pytest.raises(OSError, match="No space left"):
+        offline.megatron_to_hf(source[1], tmp_path / "back", progress=False)
+    assert len(calls) == 3 and not (tmp_path / "back").exists() and _leftovers(tmp_path) == []
+
+    # a cast loads tensors: a failure in that path too
+    monkeypatch.undo()
     monkeypatch.setattr(FusedQKV, "to_hf", lambda self, canonical: (_ for _ in ()).throw(RuntimeError("late")))
     with pytest.raises(RuntimeError, match="late"):
-        offline.megatron_to_hf(source[1], tmp_path / "back", progress=False)
+        offline.megatron_to_hf(source[1], tmp_path / "back", dtype=torch.bfloat16, progress=False)
     assert not (tmp_path / "back").exists() and _leftovers(tmp_path) == []
 
 

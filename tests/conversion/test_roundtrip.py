@@ -1,11 +1,13 @@
 """HF -> Megatron -> HF returns the same bytes for every family; the Megatron side is a real torch_dist
 checkpoint with the fused tensors Megatron expects."""
 import json
+import os
 
 import pytest
 import torch
 
 from gspo_megatron.conversion import dcp_io, offline
+from gspo_megatron.conversion.tables import expand
 from gspo_megatron.conversion.transforms import FusedGateUp, FusedQKV
 from gspo_megatron.megatron import checkpoint
 from gspo_megatron.megatron.model_config import ModelConfig
@@ -119,22 +121,66 @@ def test_export_without_any_template_writes_configs_from_the_model_config(conver
 
 
 def test_early_writeback_while_writing_both_ways(converted, tmp_path, monkeypatch):
+    """Both writers ask the writeback thread to start the disk writes as data accumulates, for every
+    file they write (here after every tensor)."""
     from gspo_megatron.conversion import safetensors_io
 
-    calls = []
-    real = safetensors_io.start_writeback
+    kicked = []
+    real = safetensors_io.BackgroundWriteback.kick
 
-    def counting(fd):
-        calls.append(fd)
-        real(fd)
+    def recording(self, fd):
+        kicked.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(self, fd)
 
     for module in (dcp_io, safetensors_io):  # every tensor now crosses the threshold
         monkeypatch.setattr(module, "WRITEBACK_BYTES", 1)
-        monkeypatch.setattr(module, "start_writeback", counting)
+    monkeypatch.setattr(safetensors_io.BackgroundWriteback, "kick", recording)
     hf = converted["qwen3_moe"][0]
     meg = offline.hf_to_megatron(hf, tmp_path / "meg", progress=False)
-    after_import = len(calls)
+    assert len(kicked) > 10 and {os.path.basename(f) for f in kicked} == {"__0_0.distcp"}
+    kicked.clear()
     back = offline.megatron_to_hf(meg, tmp_path / "back", progress=False)
-    assert after_import > 10 and len(calls) - after_import > 10
+    assert len(kicked) > 10 and {os.path.basename(f) for f in kicked} == set(weight_files(hf))
+    for file in weight_files(hf):
+        assert (back / file).read_bytes() == (hf / file).read_bytes()
+
+
+def test_converted_checkpoints_convert_back_without_loading_a_tensor(converted, tmp_path, monkeypatch):
+    """Every tensor of a converted checkpoint is located inside its record and copied as bytes; only a
+    cast loads tensors."""
+    hf, meg, _ = converted["qwen3_moe"]
+    loaded = []
+    real_read = dcp_io.CheckpointReader.read
+
+    def recording_read(self, requests, items):
+        loaded.extend(r.name for r in requests)
+        return real_read(self, requests, items)
+
+    monkeypatch.setattr(dcp_io.CheckpointReader, "read", recording_read)
+    back = offline.megatron_to_hf(meg, tmp_path / "back", progress=False)
+    assert loaded == []
+    for file in weight_files(hf):
+        assert (back / file).read_bytes() == (hf / file).read_bytes()
+    cast = offline.megatron_to_hf(meg, tmp_path / "cast", dtype=torch.bfloat16, progress=False)
+    assert sorted(loaded) == sorted(e.megatron for e in expand(ModelConfig.from_hf_dir(hf)))  # all, once
+    ours, theirs = read_all(cast), read_all(hf)
+    assert all(torch.equal(ours[k], theirs[k].to(torch.bfloat16)) for k in theirs)
+
+
+@pytest.mark.parametrize("direction", ["hf-to-megatron", "megatron-to-hf"])
+def test_round_trip_without_copy_file_range(converted, tmp_path, monkeypatch, direction):
+    """Where the kernel refuses copy_file_range (e.g. across file systems on older kernels) the same
+    bytes are copied through a buffer."""
+    import errno
+
+    def refuse(*args):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    hf, meg, _ = converted["qwen3_moe"]
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    if direction == "hf-to-megatron":
+        meg = offline.hf_to_megatron(hf, tmp_path / "meg", progress=False)
+        monkeypatch.undo()
+    back = offline.megatron_to_hf(meg, tmp_path / "back", progress=False)
     for file in weight_files(hf):
         assert (back / file).read_bytes() == (hf / file).read_bytes()

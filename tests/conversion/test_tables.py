@@ -174,29 +174,6 @@ def test_parse_bytes():
     assert parse_bytes("1000") == 1000
 
 
-def test_prefetcher_produces_each_chunk_once_in_or_out_of_order():
-    from gspo_megatron.conversion.dcp_io import Chunk, PlannedChunk, _Prefetcher
-
-    calls = []
-
-    def producer(i):
-        def produce():
-            calls.append(i)
-            return torch.full((2,), float(i))
-        return produce
-
-    chunk = Chunk("k", (5, 2), (0, 0), (2,))
-    planned = [PlannedChunk(chunk, torch.float32, producer(i), f"t{i}") for i in range(5)]
-    prefetcher = _Prefetcher(planned, budget_bytes=1)  # at most one chunk ahead
-    prefetcher.start()
-    try:
-        got = [prefetcher.get(i)[0].item() for i in (2, 0, 1, 4, 3)]  # 2 and 4 out of order
-    finally:
-        prefetcher.close()
-    assert got == [2, 0, 1, 4, 3]
-    assert sorted(calls) == [0, 1, 2, 3, 4]
-
-
 def test_start_writeback_accepts_read_only_descriptors(tmp_path):
     import os
 
