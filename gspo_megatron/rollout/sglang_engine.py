@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -129,9 +129,15 @@ class SGLangEngine(RolloutEngine):
     """See the module docstring. Build it with ``SGLangEngine.from_config(cfg)``."""
 
     def __init__(self, cfg: SGLangConfig, slots: Sequence[ServerSlot], *, colocated: ColocatedSync | None = None,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic):
+                 posts_weights: bool = True, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic):
+        """posts_weights=False makes a follower: another trainer rank posts the weights (disk / distributed
+        mode with several ranks), so update_weights drops the buckets and final=True only advances the
+        versions; adopt_sync_report then takes the poster's word on which servers hold the new weights."""
         if not slots:
             raise ValueError("SGLangEngine needs at least one server")
+        if colocated is not None and not posts_weights:
+            raise ValueError("a colocated engine takes part in every sync (posts_weights must be True)")
         if colocated is not None and not 0 <= colocated.server_index < len(slots):
             raise ValueError(f"colocated.server_index {colocated.server_index} is not one of {len(slots)} servers")
         if colocated is not None and cfg.weight_sync != "tensor":
@@ -139,6 +145,7 @@ class SGLangEngine(RolloutEngine):
         self.cfg = cfg
         self.slots = list(slots)
         self.colocated = colocated
+        self.posts_weights = posts_weights
         self.weight_version = 0
         self._sleep = sleep
         self._clock = clock
@@ -362,6 +369,14 @@ class SGLangEngine(RolloutEngine):
         A server that stops answering during a sync is recovered, left out of the rest of it, and stays stale.
         """
         self._check_open()
+        if not self.posts_weights:
+            if final:
+                # Provisional until adopt_sync_report: the poster knows which servers took the weights.
+                self.weight_version += 1
+                for slot in self.slots:
+                    if not slot.dead:
+                        slot.weight_version = self.weight_version
+            return
         if self._sync is None:
             self._sync = _SyncState(targets=[s for s in self.slots if not s.dead])
         try:
@@ -522,6 +537,40 @@ class SGLangEngine(RolloutEngine):
         previous, self._last_disk_dir = self._last_disk_dir, path
         if previous is not None and previous != path:
             shutil.rmtree(previous)
+
+    # ------------------------------------------------------------------ several trainer ranks
+
+    def sync_report(self) -> dict[str, bool]:
+        """After a complete sync: {url: holds the current weights} for the servers this engine posts to
+        itself (all of them; a colocated leader's own one; none for a follower or a colocated non-leader).
+        The trainer merges every rank's report and hands it to adopt_sync_report on every rank."""
+        if self._sync is not None:
+            raise SGLangEngineError("sync_report called in the middle of a weight sync (no final=True update yet)")
+        if not self.posts_weights:
+            return {}
+        if self.colocated is not None:
+            own = self.slots[self.colocated.server_index]
+            mine = [own] if self.colocated.is_leader else []
+        else:
+            mine = self.slots
+        return {s.url: not s.dead and s.weight_version == self.weight_version for s in mine}
+
+    def adopt_sync_report(self, report: Mapping[str, bool]) -> None:
+        """Take the posting ranks' word (merged sync_reports) on the servers they fed: a server reported
+        current serves the current weights (and is in service again if this engine had given up on it: the
+        poster reached it), one reported not current is stale until the next sync. Servers not in the
+        report keep this engine's own view."""
+        by_url = {s.url: s for s in self.slots}
+        unknown = sorted(set(report) - set(by_url))
+        if unknown:
+            raise SGLangEngineError(f"sync report names servers this engine does not know: {unknown}")
+        for url, current in report.items():
+            slot = by_url[url]
+            if current:
+                slot.dead, slot.last_error = False, ""
+                slot.weight_version = self.weight_version
+            else:
+                slot.weight_version = -1
 
     # ------------------------------------------------------------------ memory and cache
 

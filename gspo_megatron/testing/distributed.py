@@ -32,7 +32,7 @@ def _child(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
     from gspo_megatron.megatron import parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # two ranks on two cores: oversubscription makes gloo runs several times slower
     out = Path(out_dir) / f"rank{rank}.pt"
     try:

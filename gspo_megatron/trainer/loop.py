@@ -15,6 +15,7 @@ checkpoint draws exactly the samples the uninterrupted run would have drawn.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -73,6 +74,9 @@ class Trainer:
             self.reference = PolicyModel(self.model_config, config.parallel, config.optimizer, config.loss,
                                          max_tokens_per_microbatch=config.train.max_tokens_per_microbatch,
                                          frozen=True)
+        # How this rank reaches SGLang servers: set by the first _build_engine (a collective over all
+        # ranks), reused by rebuilds after a failure, which run on the failed ranks only.
+        self._sglang_rank = None
         self.engine = self._build_engine()
         self.train_data, self.eval_data = load_prompt_datasets(config.data, self.tokenizer)
         self.prompts = PromptIterator(self.train_data, config.train.prompts_per_step, seed=config.data.seed,
@@ -121,11 +125,14 @@ class Trainer:
             from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
             return HFRolloutEngine(self.model_config.to_hf_config(), init_seed=self.config.model.init_seed)
-        from gspo_megatron.rollout.sglang_engine import SGLangEngine
+        from gspo_megatron.trainer.rollout_setup import connect_sglang
 
-        # GPU path, not run in this project's CI: every rank drives its share of the rollouts through
-        # the servers; weight sync per docs/rollout.md (colocated tensor mode needs ColocatedSync).
-        return SGLangEngine.from_config(self.config.rollout.sglang)
+        # Every rank drives its share of the rollouts through all servers; who launches them and who
+        # posts the weights: trainer/rollout_setup.py (docs/rollout.md, "Several trainer ranks").
+        if self._sglang_rank is not None:
+            return self._sglang_rank.build_engine()  # a rebuild: relaunch on the launching rank, else re-attach
+        self._sglang_rank, engine = connect_sglang(self.config.rollout.sglang, os.environ)
+        return engine
 
     def _initialise_weights(self) -> None:
         """Load HF weights when given; otherwise keep Megatron's seeded random initialisation."""
@@ -379,7 +386,14 @@ class Trainer:
     def sync_weights(self) -> dict[str, float]:
         from gspo_megatron.rollout.weight_sync import sync_weights
 
-        return sync_weights(self.policy.ddp, self.model_config, self.engine)
+        stats = sync_weights(self.policy.ddp, self.model_config, self.engine)
+        if self.config.rollout.engine == "sglang" and dist.get_world_size() > 1:
+            from gspo_megatron.trainer.rollout_setup import share_sync_report
+
+            # the posting ranks' word on which servers took the weights; also the barrier that keeps every
+            # rank from generating before the servers hold them
+            share_sync_report(self.engine)
+        return stats
 
     def evaluate(self) -> dict[str, float]:
         """Greedy pass@1 (temperature 0: argmax decoding in both engines) and sampled pass@k on the held-out prompts."""

@@ -340,3 +340,51 @@ def test_config_errors_name_the_field():
         build(SGLangConfig, {"urls": ["http://h:1"], "weight_sync": "nccl"}, "rollout.sglang")
     cfg = build(SGLangConfig, {"launch": {"model_path": "/m", "tp_size": 2}}, "rollout.sglang")
     assert cfg.launch.gpus_per_server() == 2 and cfg.weight_sync == "tensor"
+
+
+# ---- several trainer ranks (gspo_megatron/trainer/rollout_setup.py drives these) ----------------------
+
+def test_follower_posts_nothing_and_final_advances_its_version():
+    with StandinServer() as a, StandinServer() as b:
+        cfg = _cfg(urls=[a.url, b.url])
+        follower = SGLangEngine(cfg, attach_servers(cfg), posts_weights=False, sleep=lambda s: None)
+        follower.update_weights([("w", torch.ones(4))], final=False)
+        follower.update_weights([("v", torch.ones(4))], final=True)
+        assert follower.weight_version == 1 and follower.sync_report() == {}
+        assert not [p for p in a.paths() + b.paths() if p.startswith(("/update_weights", "/flush_cache"))]
+        assert set(follower.server_states().values()) == {"ready"}
+        _check_groups(follower.generate(PROMPTS, 2, PARAMS), PROMPTS, 2)
+        with pytest.raises(ValueError, match="colocated engine takes part"):
+            SGLangEngine(cfg, attach_servers(cfg), posts_weights=False,
+                         colocated=engine_mod.ColocatedSync(0, True, lambda p: [p]))
+
+
+def test_sync_report_names_the_servers_a_poster_fed_and_adopting_it_routes_around_stale_ones():
+    with StandinServer() as a, StandinServer() as b:
+        poster = _attach([a, b])
+        poster.update_weights([("w", torch.ones(4))], final=True)
+        assert poster.sync_report() == {a.url: True, b.url: True}
+        cfg = _cfg(urls=[a.url, b.url])
+        follower = SGLangEngine(cfg, attach_servers(cfg), posts_weights=False, sleep=lambda s: None)
+        follower.update_weights([("w", torch.ones(4))], final=True)
+        follower.slots[0].dead = True  # the follower lost a; the poster reached it: in service again
+        follower.adopt_sync_report({a.url: True, b.url: False})
+        assert follower.server_states() == {a.url: "ready", b.url: "stale (holds weights v-1)"}
+        calls = b.state.generate_calls
+        _check_groups(follower.generate(PROMPTS, 2, PARAMS), PROMPTS, 2)
+        assert b.state.generate_calls == calls  # every request went to a
+        follower.adopt_sync_report({})  # servers not in a report keep the engine's own view
+        assert follower.server_states()[b.url].startswith("stale")
+        with pytest.raises(SGLangEngineError, match="does not know"):
+            follower.adopt_sync_report({"http://127.0.0.1:1": True})
+
+
+def test_colocated_leader_reports_its_own_server_only():
+    with StandinServer() as a, StandinServer() as b:
+        cfg = _cfg(urls=[a.url, b.url])
+        leader = SGLangEngine(cfg, attach_servers(cfg), colocated=engine_mod.ColocatedSync(1, True, lambda p: [p]))
+        other = SGLangEngine(cfg, attach_servers(cfg), colocated=engine_mod.ColocatedSync(0, False, lambda p: None))
+        for engine in (leader, other):
+            engine.update_weights([("w", torch.ones(4))], final=True)
+        assert leader.sync_report() == {b.url: True} and other.sync_report() == {}
+        assert len(b.bodies("/update_weights_from_tensor")) == 1 and not a.bodies("/update_weights_from_tensor")
