@@ -341,16 +341,19 @@ class PolicyModel:
                 out[i] = batch[row, :int(seqs[i].tokens.numel())]
         return out
 
-    def record_routing(self, seqs: Sequence[TrainSequence], recorder) -> None:
+    def record_routing(self, seqs: Sequence[TrainSequence], recorder) -> list[torch.Tensor]:
         """Routing Replay R2: store in each sequence the experts ``recorder`` (a RoutingRecorder around
         ``compute_logprobs(seqs)``) saw; later ``forward_backward(seqs, replay=True)`` forces them.
+        Returns ``sequence_routing(seqs, recorder)``, the rows as recorded.
 
         Layers of other pipeline stages hold placeholder experts 0 .. top_k-1 (never replayed here)."""
         from gspo_megatron.megatron.routing import NO_EXPERT
 
         fill = torch.arange(self.model_config.moe_router_topk)
-        for q, rows in zip(seqs, self.sequence_routing(seqs, recorder)):
+        recorded = self.sequence_routing(seqs, recorder)
+        for q, rows in zip(seqs, recorded):
             q.routed_experts = torch.where(rows == NO_EXPERT, fill, rows)
+        return recorded
 
     def _replay(self, replay: bool):
         """A RoutingReplay on this model (None when off); use with ``_microbatches(..., replay=True)``."""
@@ -365,23 +368,29 @@ class PolicyModel:
         sp_group = ps.get_tensor_model_parallel_group() if self.parallel.use_sequence_parallel else None
         return RoutingReplay(self.module, sequence_parallel_group=sp_group)
 
-    def _run_replayed(self, replay, microbatches: list[dict], forward_step, forward_only: bool):
-        if replay is None:
-            return self._run(microbatches, forward_step, forward_only)
-        with replay:
-            return self._run(microbatches, forward_step, forward_only)
-
     def _require_trainable(self, what: str) -> None:
         if self.frozen:
             raise ValueError(f"{what}: this PolicyModel is frozen (the KL reference); it only runs forward-only "
                              "passes (compute_logprobs)")
+
+    @staticmethod
+    def _forward(model, mb: dict, router_replay=None):
+        """One micro-batch through ``model`` (the chunk the schedule hands ``forward_step``); with Routing
+        Replay its experts are queued first, right before the routers run."""
+        if router_replay is not None:
+            router_replay.set_microbatch(mb["routed_experts"], model)
+        return model(mb["input_ids"], mb["position_ids"], causal_mask(mb["input_ids"].shape[1]))
 
     @property
     def _runner(self) -> torch.nn.Module:
         """What the schedule runs: the DDP wrapper, or the bare model when frozen."""
         return self.module if self.frozen else self.ddp
 
-    def _run(self, microbatches: list[dict], forward_step, forward_only: bool):
+    def _run(self, microbatches: list[dict], forward_step, forward_only: bool, router_replay=None):
+        """Megatron's schedule over ``microbatches``; inside ``router_replay`` (a RoutingReplay) when given."""
+        if router_replay is not None:
+            with router_replay:
+                return self._run(microbatches, forward_step, forward_only)
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         return get_forward_backward_func()(
@@ -407,9 +416,7 @@ class PolicyModel:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            if router_replay is not None:
-                router_replay.set_microbatch(mb["routed_experts"], model)
-            output = model(mb["input_ids"], mb["position_ids"], causal_mask(mb["input_ids"].shape[1]))
+            output = self._forward(model, mb, router_replay)
 
             def loss_func(logits):
                 logp, entropy = token_logprobs(logits, mb["labels"], self.model_config, with_entropy,
@@ -420,7 +427,7 @@ class PolicyModel:
             return output, loss_func
 
         self._runner.eval()
-        self._run_replayed(router_replay, microbatches, forward_step, forward_only=True)
+        self._run(microbatches, forward_step, forward_only=True, router_replay=router_replay)
         self._runner.train()
         results: list[dict] = [dict() for _ in seqs]
         if ps.is_pipeline_last_stage():
@@ -455,9 +462,7 @@ class PolicyModel:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            if router_replay is not None:
-                router_replay.set_microbatch(mb["routed_experts"], model)
-            output = model(mb["input_ids"], mb["position_ids"], causal_mask(mb["input_ids"].shape[1]))
+            output = self._forward(model, mb, router_replay)
 
             def loss_func(logits):
                 logp, entropy = token_logprobs(logits, mb["labels"], self.model_config, need_entropy,
@@ -476,7 +481,7 @@ class PolicyModel:
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run_replayed(router_replay, microbatches, forward_step, forward_only=False)
+        outputs = self._run(microbatches, forward_step, forward_only=False, router_replay=router_replay)
         raw = merge_metrics(outputs) if outputs else {}
         return self._reduce_to_all(raw)
 
@@ -492,7 +497,7 @@ class PolicyModel:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb["input_ids"], mb["position_ids"], causal_mask(mb["input_ids"].shape[1]))
+            output = self._forward(model, mb)
 
             def loss_func(logits):
                 logp, _ = token_logprobs(logits, mb["labels"], self.model_config, False, self.logprob_chunk_bytes)

@@ -282,11 +282,10 @@ class Trainer:
         if cfg.rollout.logprobs_from == "recompute":
             with self._recorder(drift or replay == "r2") as recorder:
                 old = self.policy.compute_logprobs(my_seqs, replay=replay == "r3")
-            if drift or replay == "r2":
-                rows = self.policy.sequence_routing(my_seqs, recorder)
-                routing_before = {id(q): r for q, r in zip(my_seqs, rows)}
             if replay == "r2":
-                self.policy.record_routing(my_seqs, recorder)
+                routing_before = dict(zip(map(id, my_seqs), self.policy.record_routing(my_seqs, recorder)))
+            elif drift:
+                routing_before = dict(zip(map(id, my_seqs), self.policy.sequence_routing(my_seqs, recorder)))
             for q, o in zip(my_seqs, old):
                 q.old_logprobs = o["logprobs"]
         else:
