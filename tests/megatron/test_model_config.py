@@ -68,5 +68,7 @@ def test_typed_build_errors():
 
 
 def test_padded_vocab():
-    cfg = ModelConfig(vocab_size=151_937)
+    cfg = ModelConfig(vocab_size=151_937)  # Megatron-LM: a multiple of 128 * TP
+    assert [cfg.padded_vocab_size(tp) for tp in (1, 2, 4, 8)] == [152_064, 152_064, 152_064, 152_576]
+    cfg = ModelConfig(vocab_size=151_937, make_vocab_size_divisible_by=1)
     assert cfg.padded_vocab_size(1) == 151_937 and cfg.padded_vocab_size(2) == 151_938
