@@ -10,8 +10,8 @@ weights (``testing/models.canonical_weights``); the agreement of logits and grad
 
 Batch: 32 sequences as the trainer's log-prob pass sees them: the first 32 prompts of
 ``examples/data/sort/train.jsonl`` through the demo tokenizer (10 tokens each) plus a random response of
-1..8 tokens (``demo``) or 1..32 tokens (``larger``), right-padded by ``megatron/train.collate``, with the
-causal mask of ``megatron/train.causal_mask``: the forward ``PolicyModel.compute_logprobs`` runs.
+1..8 tokens (``demo``) or 1..32 tokens (``larger``), right-padded by ``batching.collate``, with the
+causal mask of ``megatron/policy_model.causal_mask``: the forward ``PolicyModel.compute_logprobs`` runs.
 
 Measured on the bare GPTModel (no DDP, whose hooks cost both specs the same): (1) a no-grad forward,
 (2) forward + backward of the summed response-token cross-entropy. The two specs alternate within every
@@ -64,7 +64,8 @@ def make_batch(vocab_size: int, max_response: int, seed: int = 0) -> dict[str, t
     from transformers import AutoTokenizer
 
     from gspo_megatron.data.tokenizer import demo_tokenizer_path
-    from gspo_megatron.megatron.train import TrainSequence, causal_mask, collate
+    from gspo_megatron.batching import TrainSequence, collate
+    from gspo_megatron.megatron.policy_model import causal_mask
 
     tokenizer = AutoTokenizer.from_pretrained(demo_tokenizer_path())
     lines = PROMPTS.read_text().splitlines()[:BATCH]

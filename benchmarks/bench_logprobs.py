@@ -179,7 +179,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768, help="must be even (split over two TP ranks)")
     parser.add_argument("--chunk-tokens", default="1024,128",
                         help="vocab_parallel_logprobs chunk_tokens, comma-separated; the first is used at TP=2 "
-                             "and in the ratios (the trainer picks the chunk from a 16 MiB budget: megatron/train.py LOGPROB_CHUNK_BYTES)")
+                             "and in the ratios (the trainer picks the chunk from a 16 MiB budget: megatron/policy_model.py LOGPROB_CHUNK_BYTES)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
     args = parser.parse_args()

@@ -18,7 +18,7 @@ from gspo_megatron.algorithms.config import LossConfig
 from gspo_megatron.data.config import DataConfig
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.parallel import ParallelConfig
-from gspo_megatron.megatron.train import OptimizerConfig
+from gspo_megatron.megatron.optimizer import OptimizerConfig
 from gspo_megatron.rewards.config import RewardConfig
 from gspo_megatron.rollout.sglang_config import SGLangConfig
 from gspo_megatron.typed_config import ConfigError, build, check, to_dict
@@ -168,6 +168,12 @@ class TrainConfig:
         if self.train.routing_replay == "r3" and self.rollout.engine == "sglang" and launch is not None:
             check(launch.enable_return_routed_experts, "rollout.sglang.launch.enable_return_routed_experts",
                   "must be true with train.routing_replay: r3 (the servers must return the routed experts)")
+        if self.rollout.engine == "sglang" and launch is not None:
+            # the trainer's log-probs are of softmax(logits / T): the engine must report that distribution
+            check(not launch.return_original_logprob or self.rollout.temperature == 1.0,
+                  "rollout.sglang.launch.return_original_logprob",
+                  f"must be false at rollout.temperature {self.rollout.temperature} (it reports log-probs "
+                  "before temperature, not of the distribution sampled from)")
         responses = self.train.prompts_per_step * self.rollout.samples_per_prompt
         check(responses >= self.train.minibatches_per_step, "train.minibatches_per_step",
               f"must be <= prompts_per_step x samples_per_prompt = {responses}")
@@ -204,7 +210,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
-        loaded = yaml.safe_load(path.read_text())
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)  # absent on YAML errors without a position
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            raise ConfigError(f"{where}: YAML syntax error: {getattr(err, 'problem', None) or err}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         data = loaded or {}

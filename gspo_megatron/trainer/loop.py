@@ -10,7 +10,8 @@ transformers rollout engine lives in each training process (colocated) and recei
 after every step without touching disk.
 
 Randomness is a pure function of (train.seed, step, rank): every step reseeds, so a run resumed from a
-checkpoint draws exactly the samples the uninterrupted run would have drawn.
+checkpoint draws exactly the samples the uninterrupted run would have drawn. Sampling does not depend on
+the rank: each response has its own seed from (train.seed, step, global prompt index, sample index).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ from gspo_megatron.megatron import checkpoint as ckpt
 from gspo_megatron.megatron import sharding
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.parallel import initialize_model_parallel
-from gspo_megatron.megatron.train import (PolicyModel, TrainSequence, iter_minibatches,
-                                          split_for_data_parallel)
+from gspo_megatron.batching import TrainSequence, iter_minibatches, split_for_data_parallel
+from gspo_megatron.megatron.policy_model import PolicyModel
 from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.trainer.config import TrainConfig, save_config
 from gspo_megatron.typed_config import to_dict
@@ -66,14 +67,16 @@ class Trainer:
 
         self.tokenizer = self._load_tokenizer()
         self.model_config = self._model_config()
+        # log-probs of softmax(logits / T), the distribution the rollout samples from
         self.policy = PolicyModel(self.model_config, config.parallel, config.optimizer, config.loss,
-                                  max_tokens_per_microbatch=config.train.max_tokens_per_microbatch)
+                                  max_tokens_per_microbatch=config.train.max_tokens_per_microbatch,
+                                  temperature=config.rollout.temperature)
         self.reference = None
         if config.loss.kl_coef > 0:
             # a frozen copy of the initial weights; built only when the KL term is on
             self.reference = PolicyModel(self.model_config, config.parallel, config.optimizer, config.loss,
                                          max_tokens_per_microbatch=config.train.max_tokens_per_microbatch,
-                                         frozen=True)
+                                         frozen=True, temperature=config.rollout.temperature)
         # How this rank reaches SGLang servers: set by the first _build_engine (a collective over all
         # ranks), reused by rebuilds after a failure, which run on the failed ranks only.
         self._sglang_rank = None
@@ -181,12 +184,14 @@ class Trainer:
                 routed_experts: bool = False):
         """Generate this DP rank's share of ``prompts``, score it, and gather the whole batch on every
         rank: a list (in prompt order) of (prompt sample, [sample x G], [reward x G]). ``routed_experts``:
-        the engine also returns the experts of every fed position (Routing Replay R3)."""
+        the engine also returns the experts of every fed position (Routing Replay R3). ``seed`` must be the
+        same on every rank: with the prompts' global indices it seeds each sample (layout-independent)."""
         r = self.config.rollout
         mine = split_for_data_parallel(prompts, self.dp_size, self.dp_rank)
+        first = split_for_data_parallel(range(len(prompts)), self.dp_size, self.dp_rank)[:1]
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=r.top_p,
                                 top_k=r.top_k, stop_token_ids=[self.tokenizer.eos_token_id], seed=seed,
-                                return_routed_experts=routed_experts)
+                                prompt_offset=first[0] if first else 0, return_routed_experts=routed_experts)
         samples = self._generate([p.prompt_ids for p in mine], samples_per_prompt, params)
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         batch = [(mine[i // samples_per_prompt], t) for i, t in enumerate(texts)]
@@ -249,7 +254,7 @@ class Trainer:
         # 1-2. rollout and rewards
         prompts = next(self.prompts)
         replay = cfg.train.routing_replay  # off | r2 (old-policy forward's experts) | r3 (the engine's)
-        batch, reward_metrics = self.rollout(prompts, step_seed(cfg.train.seed, self.step, self.dp_rank + 1), G,
+        batch, reward_metrics = self.rollout(prompts, step_seed(cfg.train.seed, self.step, 1), G,
                                              cfg.rollout.temperature, cfg.rollout.max_new_tokens,
                                              routed_experts=replay == "r3")
         timings["time_rollout_s"] = time.perf_counter() - t0
@@ -399,7 +404,7 @@ class Trainer:
         cfg = self.config.eval
         data = self.eval_data if self.eval_data is not None else self.train_data
         prompts = list(data)[:cfg.num_prompts]
-        seed = step_seed(self.config.train.seed + 17, self.step, self.dp_rank)
+        seed = step_seed(self.config.train.seed + 17, self.step, 0)  # the same on every rank (see rollout)
         greedy, _ = self.rollout(prompts, seed, 1, 0.0, self.config.rollout.max_new_tokens)  # 0: greedy
         out = {"eval_accuracy": sum(float(rs[0] >= 1.0) for _, _, rs in greedy) / max(len(greedy), 1)}
         if cfg.pass_k > 1:

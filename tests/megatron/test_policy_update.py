@@ -84,7 +84,7 @@ def _plain_logprobs(rank, world_size, cfg):
     from gspo_megatron.megatron import sharding
     from gspo_megatron.megatron.model import build_model
     from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
-    from gspo_megatron.megatron.train import causal_mask
+    from gspo_megatron.megatron.policy_model import causal_mask
     from gspo_megatron.testing.models import canonical_weights
 
     initialize_model_parallel(ParallelConfig())

@@ -6,7 +6,9 @@ import torch
 from gspo_megatron.algorithms.config import LossConfig
 from gspo_megatron.megatron import sharding
 from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
-from gspo_megatron.megatron.train import OptimizerConfig, PolicyModel, TrainSequence, split_for_data_parallel
+from gspo_megatron.batching import TrainSequence, split_for_data_parallel
+from gspo_megatron.megatron.optimizer import OptimizerConfig
+from gspo_megatron.megatron.policy_model import PolicyModel
 from gspo_megatron.testing.models import canonical_weights
 
 LAYOUTS = {

@@ -18,7 +18,9 @@ from gspo_megatron.algorithms.config import LossConfig
 from gspo_megatron.megatron import sharding
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
-from gspo_megatron.megatron.train import OptimizerConfig, PolicyModel, TrainSequence
+from gspo_megatron.batching import TrainSequence
+from gspo_megatron.megatron.optimizer import OptimizerConfig
+from gspo_megatron.megatron.policy_model import PolicyModel
 from gspo_megatron.rollout.base import RolloutEngine, SamplingParams
 from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 from gspo_megatron.rollout.weight_sync import sync_weights

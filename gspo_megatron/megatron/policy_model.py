@@ -1,10 +1,6 @@
-"""The GSPO loss inside Megatron-Core: micro-batches, forward_step / loss_func for
-``get_forward_backward_func``, global normalisers, the optimizer step, and no-grad log-prob forwards.
-
-Token alignment. A sequence is prompt + response, ``tokens[0:L]`` with the response at ``[P, L)``. The
-model reads all L tokens; the logit at position t predicts token t + 1, so the log-prob of response token
-j sits at position j - 1. Every per-token tensor of a micro-batch is laid out at those *label positions*
-([b, s], s >= L - 1 after padding), and ``loss_mask`` is True exactly on response-token positions.
+"""The policy as Megatron-Core runs it: a GPTModel under DDP with its optimizer, the GSPO loss inside
+``get_forward_backward_func`` (forward_step / loss_func), global normalisers, and no-grad log-prob
+forwards. Micro-batches come from ``gspo_megatron.batching`` (token alignment: see there).
 
 Normalisation. The loss of a mini-batch is a mean over *all* its sequences (GSPO, Eq. 7), so each
 micro-batch divides by the global counts (``LossNormalisers``) computed once per mini-batch with an
@@ -14,9 +10,7 @@ gradient is exactly that of the mini-batch loss however it is split (tested at T
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,132 +19,16 @@ from gspo_megatron.algorithms.config import LossConfig
 from gspo_megatron.algorithms.layout import LossNormalisers, padded_batch
 from gspo_megatron.algorithms.metrics import finalize_metrics, merge_metrics, METRICS
 from gspo_megatron.algorithms.policy import policy_loss
+from gspo_megatron.batching import TrainSequence, collate, pack_microbatches, present_fields
+from gspo_megatron.megatron.device import to_device, to_host
 from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
-from gspo_megatron.typed_config import check
+from gspo_megatron.megatron.optimizer import OptimizerConfig, build_optimizer, warm_start_config
 
 
-@dataclasses.dataclass
-class OptimizerConfig:
-    """Adam with decoupled weight decay, gradient-norm clipping and a warm-up + decay LR schedule."""
-
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    decay_steps: int = 0  # 0: constant after warm-up
-    decay_style: str = "constant"  # constant | linear | cosine
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-
-    def validate(self, path: str) -> None:
-        check(self.lr > 0, f"{path}.lr", f"must be > 0, got {self.lr}")
-        check(0 <= self.min_lr <= self.lr, f"{path}.min_lr", f"must be in [0, lr], got {self.min_lr}")
-        check(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0")
-        check(self.decay_steps >= 0, f"{path}.decay_steps", "must be >= 0")
-        check(self.decay_style in ("constant", "linear", "cosine"), f"{path}.decay_style",
-              f"must be constant, linear or cosine, got {self.decay_style!r}")
-        check(self.clip_grad >= 0, f"{path}.clip_grad", "must be >= 0 (0 disables clipping)")
-
-
-@dataclasses.dataclass
-class TrainSequence:
-    """One prompt + response for training.
-
-    tokens:           [L] int64, prompt then response;
-    prompt_len:       P (the response is tokens[P:]);
-    advantage:        A_i (GSPO / GRPO) -- or token_advantages [L - P] (GSPO-token);
-    old_logprobs, ref_logprobs, rollout_logprobs: [L - P] float32 per response token, optional.
-    routed_experts:   [R, num_moe_layers, top_k] int, optional: the experts Routing Replay forces in this
-                      sequence's forwards, row p for model input position p (R = L - 1: an engine's
-                      record, "R3"; or R = L: a RoutingRecorder's, "R2"). See ``megatron/routing.py``.
-    """
-
-    tokens: torch.Tensor
-    prompt_len: int
-    advantage: float = 0.0
-    token_advantages: torch.Tensor | None = None
-    old_logprobs: torch.Tensor | None = None
-    ref_logprobs: torch.Tensor | None = None
-    rollout_logprobs: torch.Tensor | None = None
-    routed_experts: torch.Tensor | None = None
-
-    @property
-    def response_len(self) -> int:
-        return int(self.tokens.numel()) - self.prompt_len
-
-
-def pack_microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Group sequence indices into micro-batches whose *padded* size (count x longest) stays within
-    ``max_tokens``: longest first, each into the first micro-batch it fits (first-fit decreasing).
-
-    A sequence longer than the budget gets a micro-batch of its own. Deterministic for given lengths.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    longest: list[int] = []
-    for i in order:
-        for b, members in enumerate(bins):
-            if (len(members) + 1) * max(longest[b], lengths[i]) <= max_tokens:
-                members.append(i)
-                longest[b] = max(longest[b], lengths[i])
-                break
-        else:
-            bins.append([i])
-            longest.append(lengths[i])
-    return bins
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return int(math.ceil(x / multiple) * multiple)
-
-
-PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "rollout_logprobs", "token_advantages")
-
-
-def present_fields(seqs: Sequence[TrainSequence]) -> tuple[str, ...]:
-    """The optional per-token fields every sequence of ``seqs`` carries."""
-    return tuple(name for name in PER_TOKEN_FIELDS if seqs and all(getattr(q, name) is not None for q in seqs))
-
-
-def collate(seqs: Sequence[TrainSequence], pad_multiple: int = 1, pad_id: int = 0, rows: int = 0,
-            min_len: int = 1, fields: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
-    """Pad sequences into one micro-batch. Per-token tensors are at label positions (see module doc).
-
-    ``rows`` / ``min_len`` pad the batch to at least that many rows / positions (padding rows have an
-    all-False loss mask). Returns input_ids, position_ids, labels [b, s] int64; loss_mask [b, s] bool;
-    advantages [b] (or token_advantages [b, s]); old/ref/rollout_logprobs [b, s] when every sequence
-    has them.
-    """
-    s = _round_up(max([min_len] + [int(q.tokens.numel()) for q in seqs]), pad_multiple)
-    b = max(rows, len(seqs))
-    out = {
-        "input_ids": torch.full((b, s), pad_id, dtype=torch.long),
-        "labels": torch.full((b, s), pad_id, dtype=torch.long),
-        "loss_mask": torch.zeros((b, s), dtype=torch.bool),
-        "position_ids": torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
-    }
-    fields = present_fields(seqs) if fields is None else fields
-    per_token = {name: torch.zeros((b, s), dtype=torch.float32) for name in fields}
-    for row, q in enumerate(seqs):
-        n, p = int(q.tokens.numel()), q.prompt_len
-        out["input_ids"][row, :n] = q.tokens
-        out["labels"][row, :n - 1] = q.tokens[1:]
-        out["loss_mask"][row, p - 1:n - 1] = True
-        for name, tensor in per_token.items():
-            tensor[row, p - 1:n - 1] = getattr(q, name)
-    out.update(per_token)
-    if "token_advantages" not in per_token:
-        out["advantages"] = torch.zeros(b, dtype=torch.float32)
-        out["advantages"][:len(seqs)] = torch.tensor([q.advantage for q in seqs], dtype=torch.float32)
-    return out
-
-
-def causal_mask(seq_len: int) -> torch.Tensor:
+def causal_mask(seq_len: int, device: torch.device | None = None) -> torch.Tensor:
     """[1, 1, s, s] bool, True where attention is masked. Right padding needs nothing more: real tokens
     never attend to later (padding) positions."""
-    return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool), diagonal=1)
+    return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)
 
 
 def _tp_info(model_config):
@@ -165,8 +43,9 @@ LOGPROB_CHUNK_BYTES = 16 * 1024 * 1024
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, model_config, with_entropy: bool,
-                   chunk_bytes: int = LOGPROB_CHUNK_BYTES):
-    """[b, s, V/TP] vocab-parallel logits -> log-probs (and entropy) of ``labels`` [b, s].
+                   chunk_bytes: int = LOGPROB_CHUNK_BYTES, temperature: float = 1.0):
+    """[b, s, V/TP] vocab-parallel logits -> log-probs (and entropy) of ``labels`` [b, s] under
+    softmax(logits / temperature), the distribution the rollout sampled from.
 
     Tokens are processed in chunks whose float32 temporaries stay within ``chunk_bytes``: small enough
     to be reused by the allocator (large fresh temporaries page-fault on CPU: benchmarks/bench_logprobs.py),
@@ -176,7 +55,8 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, model_config, wit
     chunk_tokens = max(1, chunk_bytes // (4 * v))
     logp, entropy = vocab_parallel_logprobs(logits.reshape(b * s, v), labels.reshape(-1), tp_group=group,
                                             vocab_start=vocab_start, vocab_size=model_config.vocab_size,
-                                            chunk_tokens=chunk_tokens, with_entropy=with_entropy)
+                                            chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                                            temperature=temperature)
     return logp.view(b, s), None if entropy is None else entropy.view(b, s)
 
 
@@ -211,7 +91,7 @@ def _from_last_stage(obj):
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return obj
-    holder = [obj]
+    holder = [to_host(obj)]  # a pickled CUDA tensor would be rebuilt on the sender's device index
     dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
                                group=ps.get_pipeline_model_parallel_group())
     return holder[0]
@@ -222,13 +102,21 @@ class PolicyModel:
 
     ``frozen=True`` builds the model alone (no DDP gradient buffers, no optimizer, parameters without
     gradients): the KL reference, which only runs ``compute_logprobs``.
+    ``temperature``: the rollout's sampling temperature; every RL log-prob (old, update, reference,
+    entropy) is of softmax(logits / temperature), so the importance ratio compares the distribution that
+    sampled the data with the one being trained. The supervised warm start stays at temperature 1.
     Process groups come from Megatron's parallel state, which ``initialize_model_parallel`` set up.
     """
 
     def __init__(self, model_config, parallel, optim: OptimizerConfig, loss: LossConfig,
                  max_tokens_per_microbatch: int = 4096, logprob_chunk_bytes: int = LOGPROB_CHUNK_BYTES,
-                 frozen: bool = False):
+                 frozen: bool = False, temperature: float = 1.0):
         from gspo_megatron.megatron.model import build_model, wrap_ddp
+
+        if not temperature > 0.0:
+            raise ValueError(f"PolicyModel: temperature must be > 0 (the rollout's sampling temperature), "
+                             f"got {temperature!r}")
+        self.temperature = temperature
 
         self.model_config, self.parallel, self.optim_config, self.loss_config = model_config, parallel, optim, loss
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
@@ -247,29 +135,8 @@ class PolicyModel:
     def reset_optimizer(self, lr: float | None = None) -> None:
         """A fresh Megatron optimizer (Adam state empty) and LR schedule; ``lr`` overrides the config's
         (the supervised warm start uses its own rate, then RL starts from a clean state)."""
-        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-        from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        optim = self.optim_config if lr is None else dataclasses.replace(self.optim_config, lr=lr, min_lr=0.0,
-                                                                         warmup_steps=0, decay_steps=0)
-        self.optimizer = get_megatron_optimizer(
-            MegatronOptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-                                    adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                                    clip_grad=optim.clip_grad, params_dtype=torch.float32,
-                                    use_distributed_optimizer=self.parallel.distributed_optimizer),
-            [self.ddp])
-        decay_steps = max(optim.decay_steps, optim.warmup_steps + 1)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
-            lr_warmup_steps=optim.warmup_steps, lr_decay_steps=decay_steps,
-            lr_decay_style=optim.decay_style if optim.decay_steps else "constant",
-            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
-        if not torch.cuda.is_available():
-            # Without apex/TE Megatron uses torch.optim.AdamW, which on CPU defaults to a per-tensor loop;
-            # its fused CPU kernel computes the same update in one pass (the GPU path uses TE/apex fused Adam).
-            for group in self.optimizer.param_groups:
-                group["fused"] = True
+        optim = self.optim_config if lr is None else warm_start_config(self.optim_config, lr)
+        self.optimizer, self.scheduler = build_optimizer(optim, self.ddp, self.parallel.distributed_optimizer)
 
     # ---- helpers -------------------------------------------------------------------------------
     @property
@@ -373,13 +240,16 @@ class PolicyModel:
             raise ValueError(f"{what}: this PolicyModel is frozen (the KL reference); it only runs forward-only "
                              "passes (compute_logprobs)")
 
-    @staticmethod
-    def _forward(model, mb: dict, router_replay=None):
-        """One micro-batch through ``model`` (the chunk the schedule hands ``forward_step``); with Routing
-        Replay its experts are queued first, right before the routers run."""
+    def _forward(self, model, mb: dict, router_replay=None):
+        """One micro-batch (on the compute device: ``device.to_device``) through ``model`` (the chunk the
+        schedule hands ``forward_step``); with Routing Replay its experts are queued first, right before the
+        routers run. Transformer Engine's causal attention implies the mask (its ``attn_mask_type`` causal
+        ignores ``attention_mask``), so only the local spec gets an [1, 1, s, s] one."""
         if router_replay is not None:
             router_replay.set_microbatch(mb["routed_experts"], model)
-        return model(mb["input_ids"], mb["position_ids"], causal_mask(mb["input_ids"].shape[1]))
+        ids = mb["input_ids"]
+        mask = None if self.layer_spec == "te" else causal_mask(ids.shape[1], ids.device)
+        return model(ids, mb["position_ids"], mask)
 
     @property
     def _runner(self) -> torch.nn.Module:
@@ -415,12 +285,12 @@ class PolicyModel:
         collected: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            mb = to_device(next(data_iterator))
             output = self._forward(model, mb, router_replay)
 
             def loss_func(logits):
                 logp, entropy = token_logprobs(logits, mb["labels"], self.model_config, with_entropy,
-                                               self.logprob_chunk_bytes)
+                                               self.logprob_chunk_bytes, self.temperature)
                 collected.append((mb["indices"], logp, entropy))
                 return logits.new_zeros(()), {}
 
@@ -432,6 +302,7 @@ class PolicyModel:
         results: list[dict] = [dict() for _ in seqs]
         if ps.is_pipeline_last_stage():
             for indices, logp, entropy in collected:
+                logp, entropy = to_host((logp, entropy))  # one copy per micro-batch; results live on the host
                 for row, i in enumerate(indices):
                     p, n = seqs[i].prompt_len, int(seqs[i].tokens.numel())
                     results[i]["logprobs"] = logp[row, p - 1:n - 1].clone()
@@ -461,12 +332,12 @@ class PolicyModel:
         router_replay = self._replay(replay)
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            mb = to_device(next(data_iterator))
             output = self._forward(model, mb, router_replay)
 
             def loss_func(logits):
                 logp, entropy = token_logprobs(logits, mb["labels"], self.model_config, need_entropy,
-                                               self.logprob_chunk_bytes)
+                                               self.logprob_chunk_bytes, self.temperature)
                 old = mb.get("old_logprobs")
                 if old is None:
                     raise ValueError("forward_backward: every sequence needs old_logprobs (compute_logprobs first)")
@@ -496,7 +367,7 @@ class PolicyModel:
         scale = len(microbatches) * ps.get_data_parallel_world_size()
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            mb = to_device(next(data_iterator))
             output = self._forward(model, mb)
 
             def loss_func(logits):
@@ -577,18 +448,3 @@ class PolicyModel:
         self.module.load_state_dict({k.removeprefix("model."): v for k, v in state["model"].items()}, strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-
-
-def split_for_data_parallel(items: Sequence, dp_size: int, dp_rank: int) -> list:
-    """This DP rank's share of a mini-batch: a contiguous slice, sizes differing by at most one."""
-    n = len(items)
-    start = dp_rank * n // dp_size
-    stop = (dp_rank + 1) * n // dp_size
-    return list(items[start:stop])
-
-
-def iter_minibatches(items: Sequence, count: int) -> Iterable[list]:
-    """Split a rollout batch into ``count`` mini-batches of near-equal size, in order."""
-    n = len(items)
-    for k in range(count):
-        yield list(items[k * n // count:(k + 1) * n // count])

@@ -1,0 +1,123 @@
+"""Training sequences and their micro-batches: the neutral data the trainer builds and the Megatron seam
+consumes (pure torch; imports nothing from Megatron).
+
+Token alignment. A sequence is prompt + response, ``tokens[0:L]`` with the response at ``[P, L)``. The
+model reads all L tokens; the logit at position t predicts token t + 1, so the log-prob of response token
+j sits at position j - 1. Every per-token tensor of a micro-batch is laid out at those *label positions*
+([b, s], s >= L - 1 after padding), and ``loss_mask`` is True exactly on response-token positions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Sequence
+
+import torch
+
+
+@dataclasses.dataclass
+class TrainSequence:
+    """One prompt + response for training.
+
+    tokens:           [L] int64, prompt then response;
+    prompt_len:       P (the response is tokens[P:]);
+    advantage:        A_i (GSPO / GRPO) -- or token_advantages [L - P] (GSPO-token);
+    old_logprobs, ref_logprobs, rollout_logprobs: [L - P] float32 per response token, optional.
+    routed_experts:   [R, num_moe_layers, top_k] int, optional: the experts Routing Replay forces in this
+                      sequence's forwards, row p for model input position p (R = L - 1: an engine's
+                      record, "R3"; or R = L: a RoutingRecorder's, "R2"). See ``megatron/routing.py``.
+    """
+
+    tokens: torch.Tensor
+    prompt_len: int
+    advantage: float = 0.0
+    token_advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
+
+    @property
+    def response_len(self) -> int:
+        return int(self.tokens.numel()) - self.prompt_len
+
+
+def pack_microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group sequence indices into micro-batches whose *padded* size (count x longest) stays within
+    ``max_tokens``: longest first, each into the first micro-batch it fits (first-fit decreasing).
+
+    A sequence longer than the budget gets a micro-batch of its own. Deterministic for given lengths.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    longest: list[int] = []
+    for i in order:
+        for b, members in enumerate(bins):
+            if (len(members) + 1) * max(longest[b], lengths[i]) <= max_tokens:
+                members.append(i)
+                longest[b] = max(longest[b], lengths[i])
+                break
+        else:
+            bins.append([i])
+            longest.append(lengths[i])
+    return bins
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return int(math.ceil(x / multiple) * multiple)
+
+
+PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "rollout_logprobs", "token_advantages")
+
+
+def present_fields(seqs: Sequence[TrainSequence]) -> tuple[str, ...]:
+    """The optional per-token fields every sequence of ``seqs`` carries."""
+    return tuple(name for name in PER_TOKEN_FIELDS if seqs and all(getattr(q, name) is not None for q in seqs))
+
+
+def collate(seqs: Sequence[TrainSequence], pad_multiple: int = 1, pad_id: int = 0, rows: int = 0,
+            min_len: int = 1, fields: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """Pad sequences into one micro-batch. Per-token tensors are at label positions (see module doc).
+
+    ``rows`` / ``min_len`` pad the batch to at least that many rows / positions (padding rows have an
+    all-False loss mask). Returns input_ids, position_ids, labels [b, s] int64; loss_mask [b, s] bool;
+    advantages [b] (or token_advantages [b, s]); old/ref/rollout_logprobs [b, s] when every sequence
+    has them.
+    """
+    s = _round_up(max([min_len] + [int(q.tokens.numel()) for q in seqs]), pad_multiple)
+    b = max(rows, len(seqs))
+    out = {
+        "input_ids": torch.full((b, s), pad_id, dtype=torch.long),
+        "labels": torch.full((b, s), pad_id, dtype=torch.long),
+        "loss_mask": torch.zeros((b, s), dtype=torch.bool),
+        "position_ids": torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
+    }
+    fields = present_fields(seqs) if fields is None else fields
+    per_token = {name: torch.zeros((b, s), dtype=torch.float32) for name in fields}
+    for row, q in enumerate(seqs):
+        n, p = int(q.tokens.numel()), q.prompt_len
+        out["input_ids"][row, :n] = q.tokens
+        out["labels"][row, :n - 1] = q.tokens[1:]
+        out["loss_mask"][row, p - 1:n - 1] = True
+        for name, tensor in per_token.items():
+            tensor[row, p - 1:n - 1] = getattr(q, name)
+    out.update(per_token)
+    if "token_advantages" not in per_token:
+        out["advantages"] = torch.zeros(b, dtype=torch.float32)
+        out["advantages"][:len(seqs)] = torch.tensor([q.advantage for q in seqs], dtype=torch.float32)
+    return out
+
+
+def split_for_data_parallel(items: Sequence, dp_size: int, dp_rank: int) -> list:
+    """This DP rank's share of a mini-batch: a contiguous slice, sizes differing by at most one."""
+    n = len(items)
+    start = dp_rank * n // dp_size
+    stop = (dp_rank + 1) * n // dp_size
+    return list(items[start:stop])
+
+
+def iter_minibatches(items: Sequence, count: int) -> Iterable[list]:
+    """Split a rollout batch into ``count`` mini-batches of near-equal size, in order."""
+    n = len(items)
+    for k in range(count):
+        yield list(items[k * n // count:(k + 1) * n // count])

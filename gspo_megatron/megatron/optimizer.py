@@ -1,0 +1,66 @@
+"""The optimizer of the policy: its config (Adam with decoupled weight decay, gradient clipping, a
+warm-up + decay LR schedule) and its construction through Megatron-Core's ``get_megatron_optimizer`` and
+``OptimizerParamScheduler``."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from gspo_megatron.typed_config import check
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """Adam with decoupled weight decay, gradient-norm clipping and a warm-up + decay LR schedule."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay_steps: int = 0  # 0: constant after warm-up
+    decay_style: str = "constant"  # constant | linear | cosine
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def validate(self, path: str) -> None:
+        check(self.lr > 0, f"{path}.lr", f"must be > 0, got {self.lr}")
+        check(0 <= self.min_lr <= self.lr, f"{path}.min_lr", f"must be in [0, lr], got {self.min_lr}")
+        check(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0")
+        check(self.decay_steps >= 0, f"{path}.decay_steps", "must be >= 0")
+        check(self.decay_style in ("constant", "linear", "cosine"), f"{path}.decay_style",
+              f"must be constant, linear or cosine, got {self.decay_style!r}")
+        check(self.clip_grad >= 0, f"{path}.clip_grad", "must be >= 0 (0 disables clipping)")
+
+
+def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool):
+    """Megatron's optimizer over the DDP-wrapped model ``ddp`` and its LR schedule: (optimizer, scheduler)."""
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = get_megatron_optimizer(
+        MegatronOptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                                clip_grad=optim.clip_grad, params_dtype=torch.float32,
+                                use_distributed_optimizer=distributed_optimizer),
+        [ddp])
+    decay_steps = max(optim.decay_steps, optim.warmup_steps + 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps, lr_decay_steps=decay_steps,
+        lr_decay_style=optim.decay_style if optim.decay_steps else "constant",
+        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+    if not torch.cuda.is_available():
+        # Without apex/TE Megatron uses torch.optim.AdamW, which on CPU defaults to a per-tensor loop;
+        # its fused CPU kernel computes the same update in one pass (the GPU path uses TE/apex fused Adam).
+        for group in optimizer.param_groups:
+            group["fused"] = True
+    return optimizer, scheduler
+
+
+def warm_start_config(optim: OptimizerConfig, lr: float) -> OptimizerConfig:
+    """``optim`` at a constant rate ``lr`` (the supervised warm start's own schedule)."""
+    return dataclasses.replace(optim, lr=lr, min_lr=0.0, warmup_steps=0, decay_steps=0)
