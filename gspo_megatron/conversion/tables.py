@@ -1,8 +1,9 @@
 """Declarative, two-way tables: Hugging Face tensor names <-> canonical Megatron names, per model family.
 
-One ``Rule`` per row: a canonical Megatron name pattern, the HF name pattern(s) it is made of, and the
-transform between them (``transforms.py``). Patterns use ``{layer}`` and ``{expert}``; both sides use
-*global* numbers (the layout algebra that maps them to a rank's local numbers is ``megatron/sharding.py``).
+Each family's table is a tuple of ``Rule`` rows in its module under ``gspo_megatron/models/``: a canonical
+Megatron name pattern, the HF name pattern(s) it is made of, and the transform between them
+(``transforms.py``). Patterns use ``{layer}`` and ``{expert}``; both sides use *global* numbers (the
+layout algebra that maps them to a rank's local numbers is ``megatron/sharding.py``).
 ``expand(config)`` turns a family's table into the concrete list of entries of one model, in HF order;
 every other piece (offline conversion, live export, validation) works from that list, so a tensor can be
 consumed and produced exactly once only if the table says so.
@@ -19,65 +20,8 @@ from functools import lru_cache
 from gspo_megatron.conversion.errors import ConversionError
 from gspo_megatron.conversion.transforms import FusedGateUp, FusedQKV, Identity, Transform, global_expert, local_expert
 from gspo_megatron.megatron.model_config import ModelConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    megatron: str
-    hf: tuple[str, ...]
-    transform: str = "identity"  # "identity" | "qkv" | "gate_up"
-    untied_only: bool = False  # absent when the output layer shares the embedding
-
-
-L = "decoder.layers.{layer}."
-H = "model.layers.{layer}."
-
-EMBEDDING = (Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),)
-ATTENTION = (
-    Rule(L + "input_layernorm.weight", (H + "input_layernorm.weight",)),
-    Rule(L + "self_attention.linear_qkv.weight",
-         (H + "self_attn.q_proj.weight", H + "self_attn.k_proj.weight", H + "self_attn.v_proj.weight"), "qkv"),
-    Rule(L + "self_attention.linear_proj.weight", (H + "self_attn.o_proj.weight",)),
-    Rule(L + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",)),
-)
-QKV_BIAS = (
-    Rule(L + "self_attention.linear_qkv.bias",
-         (H + "self_attn.q_proj.bias", H + "self_attn.k_proj.bias", H + "self_attn.v_proj.bias"), "qkv"),
-)
-QK_NORM = (
-    Rule(L + "self_attention.q_layernorm.weight", (H + "self_attn.q_norm.weight",)),
-    Rule(L + "self_attention.k_layernorm.weight", (H + "self_attn.k_norm.weight",)),
-)
-DENSE_MLP = (
-    Rule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), "gate_up"),
-    Rule(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",)),
-)
-E = L + "mlp.experts.local_experts.{expert}."
-QWEN_MOE = (
-    Rule(L + "mlp.router.weight", (H + "mlp.gate.weight",)),
-    Rule(E + "linear_fc1.weight",
-         (H + "mlp.experts.{expert}.gate_proj.weight", H + "mlp.experts.{expert}.up_proj.weight"), "gate_up"),
-    Rule(E + "linear_fc2.weight", (H + "mlp.experts.{expert}.down_proj.weight",)),
-)
-MIXTRAL_MOE = (
-    Rule(L + "mlp.router.weight", (H + "block_sparse_moe.gate.weight",)),
-    Rule(E + "linear_fc1.weight",
-         (H + "block_sparse_moe.experts.{expert}.w1.weight", H + "block_sparse_moe.experts.{expert}.w3.weight"),
-         "gate_up"),
-    Rule(E + "linear_fc2.weight", (H + "block_sparse_moe.experts.{expert}.w2.weight",)),
-)
-FINAL = (
-    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    Rule("output_layer.weight", ("lm_head.weight",), untied_only=True),
-)
-
-FAMILY_TABLES: dict[str, tuple[Rule, ...]] = {
-    "qwen3_moe": EMBEDDING + ATTENTION + QK_NORM + QWEN_MOE + FINAL,
-    "qwen3": EMBEDDING + ATTENTION + QK_NORM + DENSE_MLP + FINAL,
-    "qwen2": EMBEDDING + ATTENTION + QKV_BIAS + DENSE_MLP + FINAL,
-    "llama": EMBEDDING + ATTENTION + DENSE_MLP + FINAL,
-    "mixtral": EMBEDDING + ATTENTION + MIXTRAL_MOE + FINAL,
-}
+from gspo_megatron.models import registry
+from gspo_megatron.models.weights import E, L, Rule
 
 # Parameters whose rows are the vocabulary (padded to a multiple of TP inside Megatron, unpadded here).
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -103,10 +47,11 @@ def transform_for(kind: str, config: ModelConfig) -> Transform:
 
 
 def family_table(config: ModelConfig) -> tuple[Rule, ...]:
-    if config.architecture not in FAMILY_TABLES:
+    family = registry.FAMILIES.get(config.architecture)
+    if family is None or not family.trainable:
         raise ConversionError(f"model_type: no conversion table for architecture {config.architecture!r} "
-                              f"(supported: {sorted(FAMILY_TABLES)})")
-    return FAMILY_TABLES[config.architecture]
+                              f"(supported: {sorted(registry.TRAINABLE)})")
+    return family.weights
 
 
 def _fill(pattern: str, layer: int | None, expert: int | None) -> str:

@@ -6,9 +6,10 @@
 - ``generate``: batched sampling with a preallocated KV cache. Prompts of different lengths are left-padded
   and prefilled once per prompt; the cache is then copied ``samples_per_prompt`` times. Rows that sample a
   stop token leave the batch (the cache is compacted), so finished responses stop costing compute.
-- ``Sample.logprobs`` are the exact log-probs of the sampled tokens; by default of the *unmodified*
-  distribution ``log_softmax(logits)`` (before temperature), which is what the trainer's forward computes.
-  ``logprob_mode`` selects after-temperature or the exact sampling distribution (see ``sampling.py``).
+- ``Sample.logprobs`` are the exact log-probs of the sampled tokens; by default of the distribution they
+  were sampled from, ``log_softmax(logits / T)`` (before top-k / top-p, like SGLang), which is what the
+  trainer's forward computes. ``logprob_mode`` selects the unmodified (T = 1) or the exact truncated
+  sampling distribution (see ``sampling.py``).
 - ``update_weights``: HF-checkpoint-named tensors in buckets, copied in place into the parameters (nothing
   touches disk). transformers 5.x keeps MoE experts fused in memory (``mlp.experts.gate_up_proj``
   ``[E, 2*I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``); the per-expert checkpoint names
@@ -21,8 +22,9 @@ Decoding does not go through ``model.forward``: ``_decoder_forward`` runs the mo
 cache bookkeeping, which dominate decode time for small models on CPU. Its outputs are tested against a
 teacher-forced ``model(...)`` forward for every supported family (tests/rollout/test_hf_engine.py).
 
-Determinism: the same engine, weights, prompts, ``samples_per_prompt``, ``max_batch_rows`` and seed give
-the same samples. Rows share one ``torch.Generator``, so a sample depends on the batch it was drawn in.
+Determinism: every sample draws its random numbers from its own seed (``sampling.sample_seed`` of the
+call seed, ``prompt_offset`` + prompt index and sample index), so the same weights, prompt and seeds give
+the same response whatever batch, chunk (``max_batch_rows``) or rank it was drawn in.
 """
 from __future__ import annotations
 
@@ -36,32 +38,13 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
+from gspo_megatron.models import registry
+from gspo_megatron.models.base import ExpertCheckpointNames
 from gspo_megatron.rollout.base import RolloutEngine, Sample, SamplingParams
-from gspo_megatron.rollout.sampling import LOGPROB_MODES, LogprobMode, sample_next_tokens
+from gspo_megatron.rollout.sampling import LOGPROB_MODES, LogprobMode, sample_next_tokens, sample_uniforms
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-_QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertCheckpointNames:
-    """How one family names a routed expert's weights in HF checkpoints (``save_pretrained`` / the Hub).
-
-    block: the MoE block's module name in checkpoints (in memory transformers 5.x always calls it ``mlp``).
-    gate / up / down: per-expert projection names, ``{block}.experts.{E}.{gate}.weight``.
-    """
-
-    block: str
-    gate: str
-    up: str
-    down: str
-
-
-EXPERT_CHECKPOINT_NAMES: dict[str, ExpertCheckpointNames] = {
-    "qwen3_moe": ExpertCheckpointNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
-    "qwen2_moe": ExpertCheckpointNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
-    "mixtral": ExpertCheckpointNames(block="block_sparse_moe", gate="w1", up="w3", down="w2"),
-}
+# The families this engine serves, and their engine facts, are in gspo_megatron/models/.
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = registry.ENGINE_MODEL_TYPES
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -137,7 +120,7 @@ def _read_arch(model: transformers.PreTrainedModel) -> _Arch:
         vocab_size=config.vocab_size,
         max_positions=config.max_position_embeddings,
         sliding_window=_sliding_window(config),
-        qk_norm=config.model_type in _QK_NORM_MODEL_TYPES,
+        qk_norm=registry.FAMILIES[config.model_type].engine.qk_norm,
         moe_gates=tuple(block.gate for block in moe_blocks),
         moe_top_k=config.num_experts_per_tok if moe_blocks else 0,
     )
@@ -184,7 +167,7 @@ def weight_slots(model: transformers.PreTrainedModel) -> tuple[dict[str, _Weight
     second name of a tied parameter (``lm_head.weight`` when embeddings are tied; optional).
     """
     model_type = model.config.model_type
-    expert_names = EXPERT_CHECKPOINT_NAMES.get(model_type)
+    expert_names = registry.FAMILIES[model_type].engine.expert_names
     moe_prefixes = {f"{name}." for name, module in model.named_modules() if _is_moe_block(module)}
     slots: dict[str, _WeightSlot] = {}
     first_name: dict[int, str] = {}
@@ -421,8 +404,8 @@ class HFRolloutEngine(RolloutEngine):
 
     model: a ``PretrainedConfig`` (random init; the trainer's model config provides ``to_hf_config()``), a
         ``PreTrainedModel`` (adopted: converted to ``dtype``/``device`` in place) or a local HF directory.
-    logprob_mode: ``"raw"`` (default; log_softmax of the unmodified logits, what GSPO compares with the
-        training model), ``"temperature"`` or ``"sampling"`` (see ``gspo_megatron/rollout/sampling.py``).
+    logprob_mode: ``"temperature"`` (default; log_softmax(logits / T), the distribution sampled from and
+        what the trainer computes), ``"raw"`` or ``"sampling"`` (see ``gspo_megatron/rollout/sampling.py``).
     max_batch_rows: most sequences decoded at once; prompts are processed in chunks of
         ``max_batch_rows // samples_per_prompt`` (at least one prompt per chunk).
     init_seed: seed of the random initialisation when ``model`` is a config.
@@ -434,7 +417,7 @@ class HFRolloutEngine(RolloutEngine):
         *,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
-        logprob_mode: LogprobMode = "raw",
+        logprob_mode: LogprobMode = "temperature",
         max_batch_rows: int = 256,
         init_seed: int | None = None,
     ):
@@ -476,14 +459,15 @@ class HFRolloutEngine(RolloutEngine):
     ) -> list[Sample]:
         self._check_request(prompts, samples_per_prompt, params)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        generator = torch.Generator(device=self.device).manual_seed(seed)
         prompts_per_chunk = max(1, self.max_batch_rows // samples_per_prompt)
         samples: list[Sample] = []
         gates = self._arch.moe_gates if params.return_routed_experts else ()
         with torch.inference_mode(), _RoutingRecorder(gates, self._arch.moe_top_k) as recorder:
             for start in range(0, len(prompts), prompts_per_chunk):
                 chunk = prompts[start : start + prompts_per_chunk]
-                samples.extend(self._generate_chunk(chunk, start, samples_per_prompt, params, generator, recorder))
+                indices = [params.prompt_offset + start + k for k in range(len(chunk))]
+                uniforms = sample_uniforms(seed, indices, samples_per_prompt, params.max_new_tokens)
+                samples.extend(self._generate_chunk(chunk, start, samples_per_prompt, params, uniforms, recorder))
         return samples
 
     def _check_request(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, params: SamplingParams) -> None:
@@ -524,10 +508,11 @@ class HFRolloutEngine(RolloutEngine):
         first_prompt_index: int,
         group: int,
         params: SamplingParams,
-        generator: torch.Generator,
+        uniforms: torch.Tensor,
         recorder: _RoutingRecorder,
     ) -> list[Sample]:
-        """Prefill the chunk's prompts once, copy each prompt's cache ``group`` times, then decode."""
+        """Prefill the chunk's prompts once, copy each prompt's cache ``group`` times, then decode.
+        uniforms: [prompts * group, max_new_tokens] float64, each output row's random numbers."""
         device, arch, max_new = self.device, self._arch, params.max_new_tokens
         record = params.return_routed_experts and self.num_moe_layers > 0
         lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -575,7 +560,7 @@ class HFRolloutEngine(RolloutEngine):
                 temperature=params.temperature,
                 top_k=params.top_k,
                 top_p=params.top_p,
-                generator=generator,
+                uniforms=uniforms[rows.cpu(), step],
                 logprob_mode=self.logprob_mode,
             )
             out_tokens[rows, step] = tokens
@@ -682,8 +667,6 @@ def _prefill_mask(is_token: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "EXPERT_CHECKPOINT_NAMES",
-    "ExpertCheckpointNames",
     "HFRolloutEngine",
     "SUPPORTED_MODEL_TYPES",
     "load_model",

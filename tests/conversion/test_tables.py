@@ -11,8 +11,7 @@ from safetensors.torch import save_file
 from gspo_megatron.conversion.cli import parse_bytes
 from gspo_megatron.conversion.errors import ConversionError
 from gspo_megatron.conversion.safetensors_io import HFCheckpoint, SafetensorsWriter, TensorSpec, plan_shards
-from gspo_megatron.conversion.tables import (FAMILY_TABLES, TE_SPEC_NAMES, canonical_to_te, expand,
-                                             te_to_canonical, validate_layout)
+from gspo_megatron.conversion.tables import TE_SPEC_NAMES, canonical_to_te, expand, te_to_canonical, validate_layout
 from gspo_megatron.conversion.transforms import FusedGateUp, FusedQKV, Identity
 from gspo_megatron.testing.models import canonical_shapes, tiny_moe_config
 from tests.conversion.hf_models import FAMILIES, family_config
@@ -58,10 +57,18 @@ def test_expand_covers_every_megatron_parameter_once(name):
     assert ("lm_head.weight" in hf) == (not config.tie_word_embeddings)
 
 
-def test_every_family_of_the_model_config_has_a_table():
-    from gspo_megatron.megatron.model_config import HF_ARCHITECTURE_CLASS
+def test_every_architecture_of_the_model_config_has_a_table_and_a_transformers_class():
+    import typing
 
-    assert set(FAMILY_TABLES) == set(HF_ARCHITECTURE_CLASS)
+    import transformers
+
+    from gspo_megatron.megatron.model_config import Architecture
+    from gspo_megatron.models import registry
+
+    assert set(typing.get_args(Architecture)) == set(registry.TRAINABLE)
+    for name in registry.TRAINABLE:
+        family = registry.FAMILIES[name]
+        assert family.weights and getattr(transformers, family.hf_class).config_class.model_type == name
 
 
 def test_mixtral_uses_w1_as_gate_and_w3_as_up():

@@ -1,0 +1,169 @@
+"""What every family module declares (``Family``), and the HF config reading all families share.
+
+A family turns a Hugging Face ``config.json`` into the keyword arguments of the typed ``ModelConfig``
+(``megatron/model_config.py``) and back. Anything the config says that the model cannot represent is an
+error naming the file and the field: a model that loads but is subtly different is the failure users of
+other converters complain about. The functions here receive the ``ModelConfig`` as ``config`` and only
+read its fields; this package does not import ``megatron/`` (it sits below it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+from gspo_megatron.models.weights import Rule
+from gspo_megatron.typed_config import ConfigError
+
+_REQUIRED = object()
+
+# Values of the Llama 3 RoPE scaling that Megatron-Core's ``rope_scaling`` implements (it hard-codes them).
+LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertCheckpointNames:
+    """How one family names a routed expert's weights in HF checkpoints (``save_pretrained`` / the Hub).
+
+    block: the MoE block's module name in checkpoints (in memory transformers 5.x always calls it ``mlp``).
+    gate / up / down: per-expert projection names, ``{block}.experts.{E}.{gate}.weight``.
+    """
+
+    block: str
+    gate: str
+    up: str
+    down: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFacts:
+    """What the transformers rollout engine needs to know beyond the modules it finds in the model."""
+
+    qk_norm: bool  # per-head RMSNorm of queries and keys before the rotary embedding
+    expert_names: ExpertCheckpointNames | None = None  # None for dense families
+
+
+class HFReader:
+    """Reads fields of one HF config dict; errors name ``source``, the field and the model type."""
+
+    def __init__(self, hf: Mapping[str, Any], source: str):
+        self.hf = hf
+        self.source = source
+        self.model_type = hf.get("model_type")
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        if key in self.hf and self.hf[key] is not None:
+            return self.hf[key]
+        if default is _REQUIRED:
+            raise self.error(key, f"required field is missing for {self.model_type}")
+        return default
+
+    def error(self, key: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {key}: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One HF ``model_type``: config mapping, weight table and engine facts.
+
+    ``read_hf`` returns the family's own ``ModelConfig`` fields (the common ones are read by
+    ``config_kwargs``); ``write_hf`` returns the family's own config.json entries. A family with
+    ``weights=None`` is served by the rollout engine only: no ModelConfig, no conversion, no training.
+    """
+
+    model_type: str
+    hf_class: str
+    engine: EngineFacts
+    weights: tuple[Rule, ...] | None
+    read_hf: Callable[[HFReader], dict[str, Any]] | None = None
+    write_hf: Callable[[Any], dict[str, Any]] | None = None
+    must_be: Mapping[str, list] = dataclasses.field(default_factory=dict)  # field -> values we can represent
+    rope_types: tuple[str, ...] = ("default",)
+    qkv_bias: bool = False
+    qk_layernorm: bool = False
+
+    @property
+    def trainable(self) -> bool:
+        return self.weights is not None
+
+    def config_kwargs(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+        """``ModelConfig`` keyword arguments from an HF config dict (not yet validated)."""
+        reader = HFReader(hf, source)
+        for key, allowed in self.must_be.items():
+            if key in hf and hf[key] not in allowed:
+                raise reader.error(key, f"unsupported value {hf[key]!r} for {self.model_type} (supported: {allowed})")
+        act = reader.get("hidden_act", "silu")
+        if act != "silu":
+            raise reader.error("hidden_act", f"unsupported activation {act!r} (SwiGLU models use 'silu')")
+        heads = int(reader.get("num_attention_heads"))
+        hidden = int(reader.get("hidden_size"))
+        rope_theta, llama3_factor = read_rope(reader, self.rope_types)
+        kwargs: dict[str, Any] = dict(
+            architecture=self.model_type,
+            vocab_size=int(reader.get("vocab_size")),
+            hidden_size=hidden,
+            num_layers=int(reader.get("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(reader.get("num_key_value_heads", heads)),
+            head_dim=int(reader.get("head_dim", hidden // heads)),
+            rms_norm_eps=float(reader.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_llama3_factor=llama3_factor,
+            max_position_embeddings=int(reader.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(reader.get("tie_word_embeddings", False)),
+            init_method_std=float(reader.get("initializer_range", 0.02)),
+            qkv_bias=self.qkv_bias,
+            qk_layernorm=self.qk_layernorm,
+        )
+        kwargs.update(self.read_hf(reader))
+        return kwargs
+
+    def hf_dict(self, config) -> dict[str, Any]:
+        """A config.json for the matching transformers class (weights use the hub's per-expert names)."""
+        common = {
+            "architectures": [self.hf_class],
+            "model_type": self.model_type,
+            "vocab_size": config.vocab_size,
+            "hidden_size": config.hidden_size,
+            "num_hidden_layers": config.num_layers,
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": config.max_position_embeddings,
+            "rms_norm_eps": config.rms_norm_eps,
+            "tie_word_embeddings": config.tie_word_embeddings,
+            "initializer_range": config.init_method_std,
+            "attention_dropout": 0.0,
+        }
+        rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
+        if config.rope_llama3_factor > 0:
+            rope.update(rope_type="llama3", factor=config.rope_llama3_factor, **LLAMA3_ROPE_DEFAULTS)
+        common["rope_parameters"] = rope
+        common.update(self.write_hf(config))
+        return common
+
+
+def read_rope(reader: HFReader, rope_types: tuple[str, ...]) -> tuple[float, float]:
+    """(rope_theta, llama3 factor or 0) from either transformers 5's ``rope_parameters`` or the older
+    top-level ``rope_theta`` + ``rope_scaling``."""
+    hf = reader.hf
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling")
+    if scaling:
+        params.update(scaling)
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, 0.0
+    if rope_type == "llama3" and "llama3" in rope_types:
+        for key, value in LLAMA3_ROPE_DEFAULTS.items():
+            if float(params.get(key, value)) != value:
+                raise reader.error(f"rope_parameters.{key}", f"Llama 3 RoPE scaling is supported with "
+                                   f"{key}={value} only, got {params.get(key)}")
+        return theta, float(params["factor"])
+    raise reader.error("rope_parameters.rope_type", f"unsupported RoPE type {rope_type!r} for {reader.model_type}")
+
+
+def dense_fields(reader: HFReader) -> dict[str, Any]:
+    """A dense SwiGLU MLP in every layer."""
+    return dict(num_experts=0, ffn_hidden_size=int(reader.get("intermediate_size")))

@@ -1,0 +1,58 @@
+"""The rows shared by every family's weight table: Hugging Face names <-> canonical Megatron names.
+
+One ``Rule`` per row: a canonical Megatron name pattern, the HF name pattern(s) it is made of, and the
+transform between them (``conversion/transforms.py``). Patterns use ``{layer}`` and ``{expert}`` with
+*global* numbers. Canonical names are those of Megatron-Core's local (non-Transformer-Engine) spec.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    megatron: str
+    hf: tuple[str, ...]
+    transform: str = "identity"  # "identity" | "qkv" | "gate_up"
+    untied_only: bool = False  # absent when the output layer shares the embedding
+
+
+L = "decoder.layers.{layer}."
+H = "model.layers.{layer}."
+E = L + "mlp.experts.local_experts.{expert}."
+
+EMBEDDING = (Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),)
+ATTENTION = (
+    Rule(L + "input_layernorm.weight", (H + "input_layernorm.weight",)),
+    Rule(L + "self_attention.linear_qkv.weight",
+         (H + "self_attn.q_proj.weight", H + "self_attn.k_proj.weight", H + "self_attn.v_proj.weight"), "qkv"),
+    Rule(L + "self_attention.linear_proj.weight", (H + "self_attn.o_proj.weight",)),
+    Rule(L + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",)),
+)
+QKV_BIAS = (
+    Rule(L + "self_attention.linear_qkv.bias",
+         (H + "self_attn.q_proj.bias", H + "self_attn.k_proj.bias", H + "self_attn.v_proj.bias"), "qkv"),
+)
+QK_NORM = (
+    Rule(L + "self_attention.q_layernorm.weight", (H + "self_attn.q_norm.weight",)),
+    Rule(L + "self_attention.k_layernorm.weight", (H + "self_attn.k_norm.weight",)),
+)
+DENSE_MLP = (
+    Rule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), "gate_up"),
+    Rule(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",)),
+)
+FINAL = (
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    Rule("output_layer.weight", ("lm_head.weight",), untied_only=True),
+)
+
+
+def routed_experts(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    """Router and routed experts of an MoE block named ``block`` in HF checkpoints, with per-expert
+    projections ``gate`` / ``up`` / ``down`` (``{block}.experts.{E}.{gate}.weight``)."""
+    x = H + block + ".experts.{expert}."
+    return (
+        Rule(L + "mlp.router.weight", (H + block + ".gate.weight",)),
+        Rule(E + "linear_fc1.weight", (x + gate + ".weight", x + up + ".weight"), "gate_up"),
+        Rule(E + "linear_fc2.weight", (x + down + ".weight",)),
+    )
