@@ -19,7 +19,10 @@ class SamplingParams:
     """Sampling settings for one ``generate`` call.
 
     ``top_k = 0`` and ``top_p = 1.0`` disable those filters. ``stop_token_ids`` end a response when sampled
-    (the stop token is kept in the response). ``seed`` makes a call reproducible.
+    (the stop token is kept in the response). ``seed`` makes a call reproducible: sample j of prompt i is
+    drawn from ``rollout.sampling.sample_seed(seed, prompt_offset + i, j)`` in every engine, so a response
+    does not depend on the batch or rank that produced it. ``prompt_offset``: the global index of
+    ``prompts[0]`` when a caller splits one batch of prompts over several ``generate`` calls (DP ranks).
     """
 
     max_new_tokens: int = 64
@@ -28,6 +31,7 @@ class SamplingParams:
     top_k: int = 0
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     seed: int | None = None
+    prompt_offset: int = 0
     return_routed_experts: bool = False
 
 

@@ -1,22 +1,31 @@
-"""Pure sampling maths for the in-process rollout engine: temperature, top-k, top-p, token log-probs.
+"""Pure sampling maths for the in-process rollout engine: temperature, top-k, top-p, token log-probs, and
+per-sample seeds.
 
 Every function takes next-token logits ``[B, V]`` (one row per sequence being decoded) and works on them
 as float32; nothing here knows about models or caches, so each piece is tested on its own.
 
 Log-prob modes (what ``Sample.logprobs`` holds):
 
-- ``"raw"``: ``log_softmax(logits)`` — the unmodified policy, temperature 1, no truncation. This is what the
-  GSPO trainer's own forward computes, so it is the default: the train/rollout log-prob gap then measures
-  numerics only, not a difference in distributions.
-- ``"temperature"``: ``log_softmax(logits / temperature)``, before top-k / top-p truncation.
+- ``"temperature"`` (the engines' default): ``log_softmax(logits / temperature)``, before top-k / top-p
+  truncation: the distribution the tokens were sampled from, what SGLang reports by default and what the
+  trainer's forward computes (``PolicyModel(temperature=...)``), so the train/rollout log-prob gap
+  measures numerics only, not a difference in distributions.
+- ``"raw"``: ``log_softmax(logits)``, the unmodified policy at temperature 1 (equal to ``"temperature"``
+  at T = 1).
 - ``"sampling"``: the exact distribution the token was drawn from (temperature, then top-k, then top-p,
   renormalised).
 
-At ``temperature == 0`` decoding is greedy (argmax of the raw logits, top-k / top-p ignored); the drawing
-distribution is then a point mass, so ``"temperature"`` and ``"sampling"`` modes return 0.0.
+At ``temperature == 0`` decoding is greedy (argmax of the raw logits, top-k / top-p ignored). Like SGLang,
+which turns temperature 0 into top_k = 1 at temperature 1 (srt/sampling/sampling_params.py), ``"raw"`` and
+``"temperature"`` then report ``log_softmax(logits)``; ``"sampling"`` reports the point mass, 0.0.
+
+Randomness is per sample: sample j of prompt i draws its uniforms from its own seed
+``sample_seed(call seed, i, j)`` (``sample_uniforms``), so a response does not depend on which rank, batch
+or chunk produced it; the SGLang engine sends the same seeds as ``sampling_seed``.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
 import torch
@@ -66,16 +75,41 @@ def sampling_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     return apply_top_p(apply_top_k(scaled, top_k), top_p)
 
 
-def sample_inverse_cdf(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Draw one token per row from ``softmax(logits)`` by inverting the cumulative distribution.
+def sample_seed(base_seed: int, prompt_index: int, sample_index: int) -> int:
+    """A distinct, reproducible 63-bit seed per (call seed, prompt, sample).
+
+    SGLang's seeded sampler draws from (seed, position) only (layers/sampler.py multinomial_with_seed), so
+    G samples of one prompt with one seed would be identical; each sample gets its own. The trainer's call
+    seed is a function of (run seed, step) and ``prompt_index`` is global in the step, so the seed of a
+    response does not depend on the parallel layout.
+    """
+    digest = hashlib.blake2b(f"{base_seed}:{prompt_index}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def sample_uniforms(base_seed: int, prompt_indices: list[int], samples_per_prompt: int, steps: int) -> torch.Tensor:
+    """[len(prompt_indices) * samples_per_prompt, steps] float64 uniforms in [0, 1), prompt-major: row
+    ``k * G + j`` is sample j of prompt ``prompt_indices[k]``, drawn from its own ``sample_seed``; column t
+    decides its t-th token."""
+    rows = []
+    for i in prompt_indices:
+        for j in range(samples_per_prompt):
+            generator = torch.Generator().manual_seed(sample_seed(base_seed, i, j))
+            rows.append(torch.rand(steps, generator=generator, dtype=torch.float64))
+    return torch.stack(rows)
+
+
+def sample_inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from ``softmax(logits)`` by inverting the cumulative distribution at the
+    row's uniform number.
 
     One uniform number per row (not one per vocabulary entry, as Gumbel or exponential races need) keeps
     this ~25x cheaper than ``torch.multinomial`` on CPU. The CDF is float64 so its rounding cannot bias the
     draw; a token of probability exactly 0 is never chosen, because its CDF step is empty.
-    logits: [B, V] (may hold -inf); returns [B] int64.
+    logits: [B, V] (may hold -inf); uniforms: [B] float64 in [0, 1); returns [B] int64.
     """
     rows, vocab = logits.shape
-    uniforms = torch.rand(rows, 1, generator=generator, dtype=torch.float64, device=logits.device)
+    uniforms = uniforms.to(device=logits.device, dtype=torch.float64).view(rows, 1)
     chunk_rows = max(1, _CDF_CHUNK_ELEMENTS // vocab)
     tokens = []
     for start in range(0, rows, chunk_rows):
@@ -94,21 +128,22 @@ def sample_next_tokens(
     temperature: float,
     top_k: int,
     top_p: float,
-    generator: torch.Generator,
+    uniforms: torch.Tensor,
     logprob_mode: LogprobMode,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token of every row and its log-prob under ``logprob_mode`` (see the module docstring).
 
-    logits: [B, V] raw model logits. Returns (tokens [B] int64, logprobs [B] float32).
+    logits: [B, V] raw model logits; uniforms: [B] float64, each row's random number for this token (unused
+    when greedy). Returns (tokens [B] int64, logprobs [B] float32).
     """
     raw = logits.float()
     if temperature == 0.0:
         tokens = raw.argmax(dim=-1)
-        if logprob_mode == "raw":
+        if logprob_mode != "sampling":
             return tokens, _gather_logprobs(raw, tokens)
         return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
     drawn_from = sampling_logits(raw, temperature, top_k, top_p)
-    tokens = sample_inverse_cdf(drawn_from, generator)
+    tokens = sample_inverse_cdf(drawn_from, uniforms)
     if logprob_mode == "raw":
         return tokens, _gather_logprobs(raw, tokens)
     if logprob_mode == "temperature":
@@ -129,5 +164,7 @@ __all__ = [
     "apply_top_p",
     "sample_inverse_cdf",
     "sample_next_tokens",
+    "sample_seed",
+    "sample_uniforms",
     "sampling_logits",
 ]

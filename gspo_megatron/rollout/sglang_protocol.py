@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import hashlib
 import math
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from gspo_megatron.rollout.base import FinishReason, Sample, SamplingParams
+from gspo_megatron.rollout.sampling import sample_seed  # re-exported: shared with the transformers engine
 from gspo_megatron.rollout.sglang_config import SGLangLaunchConfig
 
 
@@ -52,16 +52,6 @@ def sampling_params_body(params: SamplingParams, *, n: int, stop_on_model_eos: b
     if sampling_seed is not None:
         body["sampling_seed"] = sampling_seed
     return body
-
-
-def sample_seed(base_seed: int, prompt_index: int, sample_index: int) -> int:
-    """A distinct, reproducible 63-bit seed per (call seed, prompt, sample).
-
-    SGLang's seeded sampler draws from (seed, position) only (layers/sampler.py multinomial_with_seed), so
-    G samples of one prompt with one seed would be identical; each sample gets its own.
-    """
-    digest = hashlib.blake2b(f"{base_seed}:{prompt_index}:{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +93,7 @@ def build_generate_request(prompts: Sequence[Sequence[int]], prompt_indices: Seq
         body["input_ids"] = [ids for ids in chosen for _ in range(samples_per_prompt)]
         body["sampling_params"] = [
             sampling_params_body(params, n=1, stop_on_model_eos=stop_on_model_eos,
-                                 sampling_seed=sample_seed(base_seed, i, j))
+                                 sampling_seed=sample_seed(base_seed, params.prompt_offset + i, j))
             for i in prompt_indices for j in range(samples_per_prompt)
         ]
         expansion = "repeat"

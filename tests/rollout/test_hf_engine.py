@@ -183,7 +183,7 @@ def test_greedy_is_argmax_and_identical_across_samples():
         assert group[0].response_ids == group[1].response_ids == group[2].response_ids
         logits = teacher_forced_logits(eng.model, PROMPTS[i], group[0].response_ids)
         assert group[0].response_ids == logits.argmax(-1).tolist()
-    assert_logprobs_exact(eng, PROMPTS, samples)  # raw log-probs even when greedy
+    assert_logprobs_exact(eng, PROMPTS, samples)  # T = 0 reads as T = 1 with top-k 1: raw log-probs
 
 
 def test_top_k_restricts_tokens_and_top_k_one_is_greedy():
@@ -201,13 +201,15 @@ def test_top_k_restricts_tokens_and_top_k_one_is_greedy():
 def test_logprob_modes_after_temperature_and_sampling_distribution():
     config = tiny_config("qwen3")
     params = SamplingParams(max_new_tokens=6, temperature=0.7, top_k=5, seed=9)
-    raw = HFRolloutEngine(config, init_seed=0).generate(PROMPTS, 2, params)
-    scaled_engine = HFRolloutEngine(config, init_seed=0, logprob_mode="temperature")
+    raw = HFRolloutEngine(config, init_seed=0, logprob_mode="raw").generate(PROMPTS, 2, params)
+    scaled_engine = HFRolloutEngine(config, init_seed=0)  # the default: the distribution sampled from
     scaled = scaled_engine.generate(PROMPTS, 2, params)
     sampling_engine = HFRolloutEngine(config, init_seed=0, logprob_mode="sampling")
     drawn = sampling_engine.generate(PROMPTS, 2, params)
     assert [s.response_ids for s in raw] == [s.response_ids for s in scaled] == [s.response_ids for s in drawn]
     assert_logprobs_exact(scaled_engine, PROMPTS, scaled, temperature=0.7, mode="temperature")
+    with pytest.raises(AssertionError):  # the modes really differ at T != 1
+        assert_logprobs_exact(scaled_engine, PROMPTS, raw, temperature=0.7, mode="temperature")
     for s in drawn:
         logits = teacher_forced_logits(sampling_engine.model, PROMPTS[s.prompt_index], s.response_ids) / 0.7
         kth = logits.topk(5, dim=-1).values[:, -1:]
@@ -222,6 +224,21 @@ def test_chunking_by_max_batch_rows_keeps_order_and_exactness():
     samples = eng.generate(PROMPTS, 2, SamplingParams(max_new_tokens=5, seed=1))
     assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2]
     assert_logprobs_exact(eng, PROMPTS, samples)
+
+
+def test_a_sample_does_not_depend_on_its_batch_chunk_or_caller():
+    """Per-sample seeds: the same response for (seed, global prompt index, sample index) whether drawn in
+    one batch, in chunks of one prompt, or by a second caller holding only the last prompts (a DP rank,
+    ``prompt_offset``); another seed gives other responses."""
+    config = tiny_config("qwen3_moe")
+    whole = HFRolloutEngine(config, init_seed=0).generate(PROMPTS, 3, SamplingParams(max_new_tokens=8, seed=4))
+    chunked = HFRolloutEngine(config, init_seed=0, max_batch_rows=3)
+    assert [s.response_ids for s in chunked.generate(PROMPTS, 3, SamplingParams(max_new_tokens=8, seed=4))] == \
+        [s.response_ids for s in whole]
+    tail = chunked.generate(PROMPTS[1:], 3, SamplingParams(max_new_tokens=8, seed=4, prompt_offset=1))
+    assert [s.response_ids for s in tail] == [s.response_ids for s in whole[3:]]
+    other = chunked.generate(PROMPTS, 3, SamplingParams(max_new_tokens=8, seed=5))
+    assert [s.response_ids for s in other] != [s.response_ids for s in whole]
 
 
 def test_request_validation_names_the_field():
@@ -331,7 +348,7 @@ def test_inverse_cdf_sampler_matches_the_distribution_and_skips_zero_mass():
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     rows = 40_000
     logits = probs.log().expand(rows, -1)  # log(0) = -inf: a filtered token
-    draws = sample_inverse_cdf(logits, torch.Generator().manual_seed(0))
+    draws = sample_inverse_cdf(logits, torch.rand(rows, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
     counts = torch.bincount(draws, minlength=5).double()
     assert counts[4] == 0
     sigma = (rows * probs.double() * (1 - probs.double())).sqrt()
@@ -354,8 +371,10 @@ def test_greedy_log_probs_per_mode():
     from gspo_megatron.rollout.sampling import sample_next_tokens
 
     logits = torch.tensor([[0.0, 2.0, 1.0]])
-    kwargs = dict(temperature=0.0, top_k=0, top_p=1.0, generator=torch.Generator())
+    kwargs = dict(temperature=0.0, top_k=0, top_p=1.0, uniforms=torch.rand(1, dtype=torch.float64))
     tokens, raw = sample_next_tokens(logits, logprob_mode="raw", **kwargs)
     assert tokens.tolist() == [1]
     torch.testing.assert_close(raw, logits.log_softmax(-1)[:, 1])
+    # greedy is temperature 1 with top-k 1 (SGLang's reading): "temperature" reports the raw log-prob too
+    torch.testing.assert_close(sample_next_tokens(logits, logprob_mode="temperature", **kwargs)[1], raw)
     assert sample_next_tokens(logits, logprob_mode="sampling", **kwargs)[1].tolist() == [0.0]
