@@ -31,6 +31,14 @@ class Piece(NamedTuple):
     path: str
 
 
+ZEROS_FD = -1  # a Piece with this fd is ``nbytes`` zero bytes, read from no file (vocabulary padding rows)
+
+
+def zeros(nbytes: int) -> Piece:
+    """``nbytes`` zero bytes: the padding rows Megatron's padded vocabulary adds after the real rows."""
+    return Piece(ZEROS_FD, 0, nbytes, "<zero padding>")
+
+
 class Segment(NamedTuple):
     """Bytes [start, start + piece.nbytes) of a tensor are ``piece``."""
 
@@ -61,11 +69,12 @@ def row_bytes(shape: Sequence[int], itemsize: int) -> int:
 
 
 def canonical_pieces(blocks: Sequence[RowBlock], shape: Sequence[int], itemsize: int,
-                     hf: Sequence[Piece]) -> list[Piece]:
-    """The canonical tensor's bytes in order, as pieces of its HF tensors (``hf[i]``: all of tensor i)."""
+                     hf: Sequence[Piece], padding_rows: int = 0) -> list[Piece]:
+    """The canonical tensor's bytes in order, as pieces of its HF tensors (``hf[i]``: all of tensor i),
+    followed by ``padding_rows`` zero rows (a padded vocabulary)."""
     width = row_bytes(shape, itemsize)
     return merged([hf[b.hf]._replace(offset=hf[b.hf].offset + b.hf_row * width, nbytes=b.rows * width)
-                   for b in sorted(blocks, key=lambda b: b.canonical_row)])
+                   for b in sorted(blocks, key=lambda b: b.canonical_row)] + [zeros(padding_rows * width)])
 
 
 def hf_pieces(blocks: Sequence[RowBlock], shape: Sequence[int], itemsize: int, num_hf: int,
@@ -122,6 +131,9 @@ def copy_pieces(pieces: Sequence[Piece], dst_fd: int, dst_offset: int, dst_path:
 
 
 def _copy_range(piece: Piece, dst_fd: int, dst_offset: int, dst_path: str) -> None:
+    if piece.fd == ZEROS_FD:
+        _write_zeros(piece.nbytes, dst_fd, dst_offset)
+        return
     if not hasattr(os, "copy_file_range"):  # Linux only (the platform's call, not ours)
         _copy_buffered(piece, dst_fd, dst_offset, dst_path)
         return
@@ -152,3 +164,11 @@ def _copy_buffered(piece: Piece, dst_fd: int, dst_offset: int, dst_path: str) ->
         while written < n:
             written += os.pwrite(dst_fd, buffer[written:n], dst_offset + done + written)
         done += n
+
+
+def _write_zeros(nbytes: int, dst_fd: int, dst_offset: int) -> None:
+    """Explicit zero bytes (not a hole): the file's size and contents do not depend on the file system."""
+    buffer = memoryview(bytes(min(nbytes, _BUFFER_BYTES)))
+    done = 0
+    while done < nbytes:
+        done += os.pwrite(dst_fd, buffer[:min(len(buffer), nbytes - done)], dst_offset + done)

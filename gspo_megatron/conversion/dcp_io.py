@@ -52,20 +52,32 @@ from gspo_megatron.conversion.torch_records import FileSlice, PlainRecord, plain
 from gspo_megatron.megatron.model_config import ModelConfig
 
 PREFIX = "model."  # the prefix megatron/checkpoint.py gives the model's keys
+EMBEDDING_KEY = PREFIX + "embedding.word_embeddings.weight"  # tied models keep their output layer under it
 
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """Where one canonical tensor lives in the checkpoint: key, global shape and its offsets there."""
+    """Where one canonical tensor lives in the checkpoint: key, global shape and its offsets there.
+
+    A vocabulary tensor of a padded layout is stored as one chunk of ``shape[0] + padding_rows`` rows:
+    the canonical (unpadded) rows, then zero rows up to Megatron's padded vocabulary."""
 
     key: str
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
-    shape: tuple[int, ...]  # the canonical tensor's own shape (trailing axes of the chunk)
+    shape: tuple[int, ...]  # the canonical tensor's own shape (trailing axes of the chunk), unpadded
+    padding_rows: int = 0  # zero rows stored after the canonical rows (vocabulary padding)
 
     @property
     def sizes(self) -> tuple[int, ...]:
+        """The canonical tensor's box in the global tensor (what a reader requests)."""
         return (1,) * (len(self.global_shape) - len(self.shape)) + self.shape
+
+    @property
+    def stored_sizes(self) -> tuple[int, ...]:
+        """The stored chunk's box: ``sizes`` with the padding rows."""
+        lead = len(self.global_shape) - len(self.shape)
+        return (1,) * lead + (self.shape[0] + self.padding_rows, *self.shape[1:])
 
 
 @dataclasses.dataclass
@@ -93,8 +105,9 @@ def single_process_megatron() -> Iterator[None]:
         sys.excepthook = excepthook
 
 
-def _meta_model(config: ModelConfig):
-    """The whole GPTModel at TP=PP=EP=1 on the meta device, with the local (non-TE) spec."""
+def _meta_model(config: ModelConfig, vocab_rows: int):
+    """The whole GPTModel at TP=PP=EP=1 on the meta device, with the local (non-TE) spec and
+    ``vocab_rows`` embedding/output rows."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -109,18 +122,23 @@ def _meta_model(config: ModelConfig):
                                     qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     block = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=WrappedTorchNorm)
     with torch.device("meta"):
-        return GPTModel(config=tc, transformer_layer_spec=block, vocab_size=config.vocab_size,
+        return GPTModel(config=tc, transformer_layer_spec=block, vocab_size=vocab_rows,
                         max_sequence_length=config.max_position_embeddings, pre_process=True, post_process=True,
                         share_embeddings_and_output_weights=config.tie_word_embeddings,
                         position_embedding_type="rope", rotary_base=int(config.rope_theta))
 
 
-def checkpoint_layout(config: ModelConfig) -> CheckpointLayout:
+def checkpoint_layout(config: ModelConfig, padded_vocab: int | None = None) -> CheckpointLayout:
     """Key, global shape and offsets of every canonical parameter, as Megatron's sharded_state_dict
-    names them (needs ``single_process_megatron``)."""
+    names them (needs ``single_process_megatron``). With ``padded_vocab`` (``ModelConfig.padded_vocab_size``
+    of a TP size) the vocabulary tensors' global shape has that many rows, the last ones padding;
+    without, the vocabulary is unpadded (enough to read: a reader requests the canonical rows only)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 
-    model = _meta_model(config)
+    vocab_rows = config.vocab_size if padded_vocab is None else padded_vocab
+    if vocab_rows < config.vocab_size:
+        raise ValueError(f"checkpoint_layout: padded_vocab={vocab_rows} < vocab_size={config.vocab_size}")
+    model = _meta_model(config, vocab_rows)
     params = dict(model.named_parameters())
     state = model.sharded_state_dict(prefix=PREFIX)
     apply_factories(state)  # SwiGLU fc1 becomes its gate and up halves (two chunks of one key)
@@ -136,7 +154,10 @@ def checkpoint_layout(config: ModelConfig) -> CheckpointLayout:
         canonical = name.removeprefix(PREFIX)
         param = params[canonical]
         offsets = tuple(min(p.global_offset[d] for p in pieces) for d in range(len(pieces[0].global_shape)))
-        chunk = Chunk(pieces[0].key, tuple(pieces[0].global_shape), offsets, tuple(param.shape))
+        shape, padding = tuple(param.shape), 0
+        if canonical in VOCAB_PARAMS:
+            shape, padding = (config.vocab_size, *shape[1:]), shape[0] - config.vocab_size
+        chunk = Chunk(pieces[0].key, tuple(pieces[0].global_shape), offsets, shape, padding)
         if sum(math.prod(p.local_shape) for p in pieces) != param.numel():
             raise RuntimeError(f"checkpoint_layout: the pieces of {name} do not add up to {tuple(param.shape)}")
         chunks[canonical] = chunk
@@ -149,12 +170,12 @@ def checkpoint_layout(config: ModelConfig) -> CheckpointLayout:
 class PlannedChunk:
     chunk: Chunk
     dtype: torch.dtype
-    pieces: list[Piece]  # the canonical tensor's bytes in order (byte_ranges.canonical_pieces)
+    pieces: list[Piece]  # the stored chunk's bytes in order (byte_ranges.canonical_pieces, then padding)
     name: str  # canonical name, for error messages
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.chunk.shape) * self.dtype.itemsize
+        return math.prod(self.chunk.stored_sizes) * self.dtype.itemsize
 
 
 class _ChunkPlanner(SavePlanner):
@@ -169,7 +190,8 @@ class _ChunkPlanner(SavePlanner):
             self.items.append(WriteItem(
                 index=index, type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(p.chunk.offsets), sizes=torch.Size(p.chunk.sizes)),
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(p.chunk.offsets),
+                                               sizes=torch.Size(p.chunk.stored_sizes)),
                     properties=TensorProperties(dtype=p.dtype), size=torch.Size(p.chunk.global_shape))))
             self.chunks[index] = p
 
@@ -231,8 +253,8 @@ class _RecordWriter(dcp.FileSystemWriter):
                 if sum(p.nbytes for p in source.pieces) != source.nbytes:
                     raise ConversionError(f"{source.name}: the source bytes add up to "
                                           f"{sum(p.nbytes for p in source.pieces)}, the model needs "
-                                          f"{list(source.chunk.shape)} {source.dtype} ({source.nbytes} bytes)")
-                prefix, suffix = record_template(source.chunk.sizes, source.dtype)
+                                          f"{list(source.chunk.stored_sizes)} {source.dtype} ({source.nbytes} bytes)")
+                prefix, suffix = record_template(source.chunk.stored_sizes, source.dtype)
                 position += _pwrite_all(fd, prefix, position)
                 position += copy_pieces(source.pieces, fd, position, str(path))
                 position += _pwrite_all(fd, suffix, position)
@@ -461,8 +483,8 @@ class CheckpointReader:
 def requests_for(layout: CheckpointLayout, reader: CheckpointReader, vocab_size: int) -> list[Request]:
     """One request per canonical tensor, after checking the checkpoint's keys and shapes against the
     model (missing and unexpected ``model.`` keys are errors; other prefixes, e.g. optimizer state, are
-    ignored). Vocabulary rows may be padded in a checkpoint saved by training; only the first
-    ``vocab_size`` rows are read."""
+    ignored). Vocabulary rows are padded (``ModelConfig.padded_vocab_size``, by the conversion or by
+    training at any TP); only the first ``vocab_size`` rows are read, so the padding is stripped by range."""
     stored = reader.tensor_keys()
     expected = {c.key for c in layout.chunks.values()}
     ours = {k for k in stored if k.startswith(PREFIX)}
@@ -482,3 +504,23 @@ def requests_for(layout: CheckpointLayout, reader: CheckpointReader, vocab_size:
                                   f"{list(wanted)} from the model config")
         requests.append(Request(name, chunk.key, chunk.offsets, chunk.sizes, chunk.shape, dtype))
     return requests
+
+
+# ---- vocabulary padding --------------------------------------------------------------------------
+
+def vocab_padding_meta(config: ModelConfig, tensor_parallel: int) -> dict:
+    """What a converted checkpoint's gspo_meta.json records of its padded vocabulary: the rows stored
+    (``padded_vocab_size``) and what they were derived from (the TP size and Megatron-LM's divisor)."""
+    return {"vocab_padding": {"vocab_size": config.vocab_size, "tensor_parallel": tensor_parallel,
+                              "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
+                              "padded_vocab_size": config.padded_vocab_size(tensor_parallel)}}
+
+
+def stored_vocab_rows(directory: str | Path) -> int:
+    """Rows of the embedding in a torch_dist checkpoint (the padded vocabulary it was saved with), from
+    DCP's ``.metadata`` alone."""
+    with CheckpointReader(directory) as reader:
+        keys = reader.tensor_keys()
+    if EMBEDDING_KEY not in keys:
+        raise ConversionError(f"{directory}: no {EMBEDDING_KEY} in the checkpoint")
+    return keys[EMBEDDING_KEY][0][0]

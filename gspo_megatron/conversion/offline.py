@@ -40,6 +40,8 @@ READ_BATCH_BYTES = 64 * 2**20  # canonical tensors read per DCP pass (bounds mem
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 DTYPE_FLAGS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# ModelConfig fields a config.json does not describe (Megatron settings kept in the checkpoint's own config)
+MEGATRON_ONLY_FIELDS = ("make_vocab_size_divisible_by",)
 
 
 # ---- output folders and progress ----------------------------------------------------------------
@@ -169,7 +171,8 @@ def _check_hf_tensors(hf: HFCheckpoint, entries: list[Entry], layout: dcp_io.Che
 
 
 def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                   expert_parallel: int = 1, overwrite: bool = False, progress: bool = True) -> Path:
+                   expert_parallel: int = 1, overwrite: bool = False, progress: bool = True,
+                   make_vocab_size_divisible_by: int | None = None) -> Path:
     """Convert a Hugging Face folder into a torch_dist checkpoint loadable at any dividing layout.
 
     The output holds Megatron's files plus ``model_config.json`` (the ModelConfig derived from
@@ -178,17 +181,21 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tensor_parallel: int
     """
     with one_intra_op_thread():
         return _hf_to_megatron(Path(hf_dir), Path(out_dir), tensor_parallel, pipeline_parallel, expert_parallel,
-                               overwrite, progress)
+                               overwrite, progress, make_vocab_size_divisible_by)
 
 
 def _hf_to_megatron(hf_dir: Path, out: Path, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int,
-                    overwrite: bool, progress: bool) -> Path:
+                    overwrite: bool, progress: bool, make_vocab_size_divisible_by: int | None) -> Path:
     config = ModelConfig.from_hf_dir(hf_dir)
+    if make_vocab_size_divisible_by is not None:
+        config = dataclasses.replace(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        config.validate("hf_to_megatron")
     validate_layout(config, tensor_parallel, pipeline_parallel, expert_parallel, source=str(hf_dir / "config.json"))
     check_output(out, overwrite, (hf_dir,))
     entries = expand(config)
+    padded_vocab = config.padded_vocab_size(tensor_parallel)
     with dcp_io.single_process_megatron():
-        layout = dcp_io.checkpoint_layout(config)
+        layout = dcp_io.checkpoint_layout(config, padded_vocab)
     _check_table_matches_model(entries, layout, config)
     with HFCheckpoint(hf_dir) as hf:
         dtypes = _check_hf_tensors(hf, entries, layout, config)
@@ -201,7 +208,8 @@ def _hf_to_megatron(hf_dir: Path, out: Path, tensor_parallel: int, pipeline_para
                 dcp_io.write_checkpoint(tmp, planned, layout.objects, bar.update)
             _write_json(tmp / MODEL_CONFIG_NAME, dataclasses.asdict(config))
             _write_json(tmp / "gspo_meta.json", {"model_config": dataclasses.asdict(config), "kind": "hf-to-megatron",
-                                                 "source": str(hf_dir.resolve())})
+                                                 "source": str(hf_dir.resolve()),
+                                                 **dcp_io.vocab_padding_meta(config, tensor_parallel)})
             copy_hf_side_files(hf_dir, tmp / HF_FILES_DIR)
             if hf.index is not None:  # the shard assignment, reused on the way back
                 shutil.copyfile(hf_dir / INDEX_NAME, tmp / HF_FILES_DIR / INDEX_NAME)
@@ -211,7 +219,7 @@ def _hf_to_megatron(hf_dir: Path, out: Path, tensor_parallel: int, pipeline_para
 def _planned_chunk(hf: HFCheckpoint, entry: Entry, chunk: dcp_io.Chunk, dtype: torch.dtype) -> dcp_io.PlannedChunk:
     """The chunk's bytes as byte ranges of the HF files (what ``to_megatron`` would compute, as rows)."""
     pieces = canonical_pieces(entry.transform.row_blocks(chunk.shape), chunk.shape, dtype.itemsize,
-                              [hf.piece(name) for name in entry.hf])
+                              [hf.piece(name) for name in entry.hf], chunk.padding_rows)
     return dcp_io.PlannedChunk(chunk, dtype, pieces, entry.megatron)
 
 
@@ -246,7 +254,8 @@ def export_config(megatron_dir: Path, hf_template: Path | None) -> tuple[ModelCo
         raise ConversionError(f"{megatron_dir}: no {MODEL_CONFIG_NAME} (or gspo_meta.json model_config) and no "
                               f"--hf-template: the model config is unknown")
     if ours is not None and theirs is not None:
-        diff = [f.name for f in dataclasses.fields(ModelConfig) if getattr(ours, f.name) != getattr(theirs, f.name)]
+        diff = [f.name for f in dataclasses.fields(ModelConfig) if getattr(ours, f.name) != getattr(theirs, f.name)
+                and f.name not in MEGATRON_ONLY_FIELDS]
         if diff:
             detail = ", ".join(f"{n}: {getattr(ours, n)!r} vs {getattr(theirs, n)!r}" for n in diff)
             raise ConversionError(f"{template / 'config.json'} does not describe the model in {megatron_dir} "

@@ -23,7 +23,7 @@ from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.models import registry
 from gspo_megatron.models.weights import E, L, Rule
 
-# Parameters whose rows are the vocabulary (padded to a multiple of TP inside Megatron, unpadded here).
+# Parameters whose rows are the vocabulary (padded inside Megatron: ModelConfig.padded_vocab_size; unpadded here).
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -92,13 +92,11 @@ def validate_layout(config: ModelConfig, tensor_parallel: int = 1, pipeline_para
                     expert_parallel: int = 1, source: str = "layout") -> None:
     """Raise naming the flag and the model field when a TP/PP/EP layout does not divide the model.
 
-    The vocabulary must divide by TP too: converted checkpoints store the unpadded vocabulary, which
-    Megatron then expects to be its padded size (a multiple of TP).
+    The vocabulary need not divide: Megatron's is padded (``ModelConfig.padded_vocab_size``).
     """
     checks = [
         ("tp", tensor_parallel, "num_attention_heads", config.num_attention_heads),
         ("tp", tensor_parallel, "num_key_value_heads", config.num_key_value_heads),
-        ("tp", tensor_parallel, "vocab_size", config.vocab_size),
         ("pp", pipeline_parallel, "num_layers", config.num_layers),
     ]
     if config.is_moe:
