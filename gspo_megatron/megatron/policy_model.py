@@ -10,6 +10,8 @@ gradient is exactly that of the mini-batch loss however it is split (tested at T
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -20,9 +22,41 @@ from gspo_megatron.algorithms.layout import LossNormalisers, padded_batch
 from gspo_megatron.algorithms.metrics import finalize_metrics, merge_metrics, METRICS
 from gspo_megatron.algorithms.policy import policy_loss
 from gspo_megatron.batching import TrainSequence, collate, pack_microbatches, present_fields
+from gspo_megatron.megatron import sharding
 from gspo_megatron.megatron.device import to_device, to_host
 from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
 from gspo_megatron.megatron.optimizer import OptimizerConfig, build_optimizer, warm_start_config
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelGroups:
+    """The process groups one model replica runs over, taken once from Megatron's parallel state (which
+    ``initialize_model_parallel`` set up) and passed to everything the policy does."""
+
+    data_parallel: object
+    tensor_parallel: object
+    pipeline: object
+    dp_size: int
+    dp_rank: int
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_last_rank: int  # global rank of the last pipeline stage of this rank's pipeline
+    is_last_stage: bool
+    sequence_parallel: object | None  # the TP group when sequence parallelism splits the sequence
+
+    @classmethod
+    def from_parallel_state(cls, sequence_parallel: bool) -> "ModelGroups":
+        from megatron.core import parallel_state as ps
+
+        tp = ps.get_tensor_model_parallel_group()
+        return cls(data_parallel=ps.get_data_parallel_group(), tensor_parallel=tp,
+                   pipeline=ps.get_pipeline_model_parallel_group(), dp_size=ps.get_data_parallel_world_size(),
+                   dp_rank=ps.get_data_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                   tp_rank=ps.get_tensor_model_parallel_rank(),
+                   pp_size=ps.get_pipeline_model_parallel_world_size(),
+                   pp_last_rank=ps.get_pipeline_model_parallel_last_rank(), is_last_stage=ps.is_pipeline_last_stage(),
+                   sequence_parallel=tp if sequence_parallel else None)
 
 
 def causal_mask(seq_len: int, device: torch.device | None = None) -> torch.Tensor:
@@ -31,18 +65,15 @@ def causal_mask(seq_len: int, device: torch.device | None = None) -> torch.Tenso
     return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)
 
 
-def _tp_info(model_config):
-    from megatron.core import parallel_state as ps
-
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    v_local = model_config.padded_vocab_size(tp_size) // tp_size
-    return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank() * v_local
+def _tp_info(model_config, groups: ModelGroups):
+    v_local = model_config.padded_vocab_size(groups.tp_size) // groups.tp_size
+    return groups.tensor_parallel, groups.tp_rank * v_local
 
 
 LOGPROB_CHUNK_BYTES = 16 * 1024 * 1024
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, model_config, with_entropy: bool,
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, model_config, groups: ModelGroups, with_entropy: bool,
                    chunk_bytes: int = LOGPROB_CHUNK_BYTES, temperature: float = 1.0):
     """[b, s, V/TP] vocab-parallel logits -> log-probs (and entropy) of ``labels`` [b, s] under
     softmax(logits / temperature), the distribution the rollout sampled from.
@@ -50,7 +81,7 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, model_config, wit
     Tokens are processed in chunks whose float32 temporaries stay within ``chunk_bytes``: small enough
     to be reused by the allocator (large fresh temporaries page-fault on CPU: benchmarks/bench_logprobs.py),
     large enough to keep kernels efficient."""
-    group, vocab_start = _tp_info(model_config)
+    group, vocab_start = _tp_info(model_config, groups)
     b, s, v = logits.shape
     chunk_tokens = max(1, chunk_bytes // (4 * v))
     logp, entropy = vocab_parallel_logprobs(logits.reshape(b * s, v), labels.reshape(-1), tp_group=group,
@@ -85,15 +116,12 @@ def _reduce_metrics(raw: dict[str, torch.Tensor], group) -> dict[str, torch.Tens
     return out
 
 
-def _from_last_stage(obj):
+def _from_last_stage(obj, groups: ModelGroups):
     """``obj`` as the last pipeline stage has it (losses and log-probs only exist there), on every stage."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() == 1:
+    if groups.pp_size == 1:
         return obj
     holder = [to_host(obj)]  # a pickled CUDA tensor would be rebuilt on the sender's device index
-    dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
-                               group=ps.get_pipeline_model_parallel_group())
+    dist.broadcast_object_list(holder, src=groups.pp_last_rank, group=groups.pipeline)
     return holder[0]
 
 
@@ -110,8 +138,8 @@ class PolicyModel:
 
     def __init__(self, model_config, parallel, optim: OptimizerConfig, loss: LossConfig,
                  max_tokens_per_microbatch: int = 4096, logprob_chunk_bytes: int = LOGPROB_CHUNK_BYTES,
-                 frozen: bool = False, temperature: float = 1.0):
-        from gspo_megatron.megatron.model import build_model, wrap_ddp
+                 frozen: bool = False, temperature: float = 1.0, runtime=None):
+        from gspo_megatron.megatron.model import ModelRuntime, build_model, resolve_layer_spec, wrap_ddp
 
         if not temperature > 0.0:
             raise ValueError(f"PolicyModel: temperature must be > 0 (the rollout's sampling temperature), "
@@ -121,7 +149,11 @@ class PolicyModel:
         self.model_config, self.parallel, self.optim_config, self.loss_config = model_config, parallel, optim, loss
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.logprob_chunk_bytes = logprob_chunk_bytes
-        self.module = build_model(model_config, parallel)
+        # runtime: precision, recomputation and layer spec (model.ModelRuntime; default fp32, auto spec)
+        self.runtime = runtime or ModelRuntime()
+        self.layer_spec = resolve_layer_spec(self.runtime.layer_spec)
+        self.module = build_model(model_config, parallel, runtime=self.runtime)
+        self.groups = ModelGroups.from_parallel_state(parallel.use_sequence_parallel)
         self.module.config.variable_seq_lengths = True  # micro-batches differ in shape (packing)
         self.frozen = frozen
         self.skipped_steps = 0
@@ -158,12 +190,10 @@ class PolicyModel:
         DP ranks must run the same number of micro-batches; the allgather dispatcher (CPU) also needs
         equal token counts. Missing micro-batches and rows are padding (loss mask all False).
         """
-        from megatron.core import parallel_state as ps
-
         bins = self._local_plan(seqs)
         shapes = [(len(m), max(int(seqs[i].tokens.numel()) for i in m)) for m in bins]
-        group = ps.get_data_parallel_group()
-        if ps.get_data_parallel_world_size() > 1:
+        group = self.groups.data_parallel
+        if self.groups.dp_size > 1:
             count = torch.tensor([len(bins)])
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
             shapes += [(1, 1)] * (int(count) - len(bins))
@@ -226,14 +256,44 @@ class PolicyModel:
         """A RoutingReplay on this model (None when off); use with ``_microbatches(..., replay=True)``."""
         if not replay:
             return None
-        from megatron.core import parallel_state as ps
-
         from gspo_megatron.megatron.routing import RoutingReplay
 
         if not self.model_config.is_moe:
             raise ValueError("routing replay needs an MoE model (model.num_experts > 0)")
-        sp_group = ps.get_tensor_model_parallel_group() if self.parallel.use_sequence_parallel else None
-        return RoutingReplay(self.module, sequence_parallel_group=sp_group)
+        return RoutingReplay(self.module, sequence_parallel_group=self.groups.sequence_parallel)
+
+    # ---- routing: record, replay (``replay=True`` on the forwards), drift -------------------------
+    def routing_recorder(self, active: bool = True):
+        """A RoutingRecorder on this model (a no-op context when not ``active``): wrap one
+        ``compute_logprobs`` or ``forward_backward`` call, then read it with ``sequence_routing``."""
+        from gspo_megatron.megatron.routing import RoutingRecorder
+
+        if not active:
+            return contextlib.nullcontext()
+        return RoutingRecorder(self.module, sequence_parallel_group=self.groups.sequence_parallel)
+
+    def routing_drift(self, seqs: Sequence[TrainSequence], before: Sequence[torch.Tensor], after) -> dict[str, float]:
+        """Routing drift of ``seqs`` over their response tokens, all DP ranks: ``before`` holds per sequence
+        the rows ``sequence_routing`` gave for an earlier forward, ``after`` is a RoutingRecorder around a
+        later forward of the same ``seqs``."""
+        from gspo_megatron.megatron.routing import (drift_fractions, moe_layer_index, moe_routers, reduce_drift,
+                                                    routing_drift)
+
+        index = moe_layer_index(self.module.config)
+        layers = sorted(moe_routers(self.module))  # this pipeline stage's MoE layers
+        # the response tokens' label positions: where the log-probs (and the loss) are read
+        response = [slice(q.prompt_len - 1, int(q.tokens.numel()) - 1) for q in seqs]
+
+        def by_layer(rows_per_seq):
+            return {layer: torch.cat([rows[cut, index[layer]] for rows, cut in zip(rows_per_seq, response)])
+                    for layer in layers}
+
+        stats = routing_drift(by_layer(before), by_layer(self.sequence_routing(seqs, after)),
+                              num_layers=self.model_config.num_layers)
+        fractions = drift_fractions(reduce_drift(stats, self.groups.data_parallel))
+        out = {"routing_drift": float(fractions["overall"])}
+        out.update({f"routing_drift/layer{i}": float(v) for i, v in enumerate(fractions["per_layer"])})
+        return out
 
     def _require_trainable(self, what: str) -> None:
         if self.frozen:
@@ -278,8 +338,6 @@ class PolicyModel:
         under the rollout engine's routing). Results are broadcast from the last pipeline stage so every
         rank of the DP group gets them.
         """
-        from megatron.core import parallel_state as ps
-
         microbatches = self._microbatches(seqs, replay)
         router_replay = self._replay(replay)
         collected: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
@@ -289,7 +347,7 @@ class PolicyModel:
             output = self._forward(model, mb, router_replay)
 
             def loss_func(logits):
-                logp, entropy = token_logprobs(logits, mb["labels"], self.model_config, with_entropy,
+                logp, entropy = token_logprobs(logits, mb["labels"], self.model_config, self.groups, with_entropy,
                                                self.logprob_chunk_bytes, self.temperature)
                 collected.append((mb["indices"], logp, entropy))
                 return logits.new_zeros(()), {}
@@ -300,7 +358,7 @@ class PolicyModel:
         self._run(microbatches, forward_step, forward_only=True, router_replay=router_replay)
         self._runner.train()
         results: list[dict] = [dict() for _ in seqs]
-        if ps.is_pipeline_last_stage():
+        if self.groups.is_last_stage:
             for indices, logp, entropy in collected:
                 logp, entropy = to_host((logp, entropy))  # one copy per micro-batch; results live on the host
                 for row, i in enumerate(indices):
@@ -308,7 +366,7 @@ class PolicyModel:
                     results[i]["logprobs"] = logp[row, p - 1:n - 1].clone()
                     if entropy is not None:
                         results[i]["entropy"] = entropy[row, p - 1:n - 1].clone()
-        return _from_last_stage(results)
+        return _from_last_stage(results, self.groups)
 
     # ---- the update ------------------------------------------------------------------------------
     def forward_backward(self, seqs: Sequence[TrainSequence], normalisers: LossNormalisers | None = None,
@@ -319,13 +377,10 @@ class PolicyModel:
         replay: Routing Replay -- the update forwards use exactly each sequence's ``routed_experts`` (R2:
         stored by ``record_routing`` from the old-policy forward; R3: the rollout engine's).
         """
-        from megatron.core import parallel_state as ps
-
         self._require_trainable("forward_backward")
-        dp_group = ps.get_data_parallel_group()
-        dp = ps.get_data_parallel_world_size()
+        dp = self.groups.dp_size
         if normalisers is None:
-            normalisers = global_normalisers(seqs, dp_group)
+            normalisers = global_normalisers(seqs, self.groups.data_parallel)
         microbatches = self._microbatches(seqs, replay)
         num_mb = len(microbatches)
         need_entropy = self.loss_config.entropy_coef > 0
@@ -336,7 +391,7 @@ class PolicyModel:
             output = self._forward(model, mb, router_replay)
 
             def loss_func(logits):
-                logp, entropy = token_logprobs(logits, mb["labels"], self.model_config, need_entropy,
+                logp, entropy = token_logprobs(logits, mb["labels"], self.model_config, self.groups, need_entropy,
                                                self.logprob_chunk_bytes, self.temperature)
                 old = mb.get("old_logprobs")
                 if old is None:
@@ -359,19 +414,17 @@ class PolicyModel:
     def sft_forward_backward(self, seqs: Sequence[TrainSequence]) -> dict:
         """Gradient of the supervised loss: mean negative log-likelihood of the response tokens of the
         whole mini-batch (global token count), for the warm start before RL."""
-        from megatron.core import parallel_state as ps
-
         self._require_trainable("sft_forward_backward")
-        normalisers = global_normalisers(seqs, ps.get_data_parallel_group())
+        normalisers = global_normalisers(seqs, self.groups.data_parallel)
         microbatches = self._microbatches(seqs)
-        scale = len(microbatches) * ps.get_data_parallel_world_size()
+        scale = len(microbatches) * self.groups.dp_size
 
         def forward_step(data_iterator, model):
             mb = to_device(next(data_iterator))
             output = self._forward(model, mb)
 
             def loss_func(logits):
-                logp, _ = token_logprobs(logits, mb["labels"], self.model_config, False, self.logprob_chunk_bytes)
+                logp, _ = token_logprobs(logits, mb["labels"], self.model_config, self.groups, False, self.logprob_chunk_bytes)
                 nll = -(logp * mb["loss_mask"]).sum() / max(normalisers.num_tokens, 1.0)
                 return nll * scale, {"loss": nll.detach(), "tokens": mb["loss_mask"].sum().float()}
 
@@ -384,10 +437,8 @@ class PolicyModel:
 
     def _reduce_to_all(self, raw: dict) -> dict:
         """Metrics live on the last pipeline stage: reduce over DP there, then share with every rank."""
-        from megatron.core import parallel_state as ps
-
-        raw = _reduce_metrics(raw, ps.get_data_parallel_group()) if ps.is_pipeline_last_stage() else raw
-        return _from_last_stage(raw)
+        raw = _reduce_metrics(raw, self.groups.data_parallel) if self.groups.is_last_stage else raw
+        return _from_last_stage(raw, self.groups)
 
     def grads_finite(self) -> bool:
         """True when every gradient on every rank is finite (one MIN all-reduce over the world).
@@ -433,7 +484,7 @@ class PolicyModel:
         """Model, optimizer and scheduler state for dist_checkpointing (loadable at another layout for the
         model; the optimizer state reshards across DP). ``is_loading`` makes the optimizer allocate its
         (lazily created) Adam state first, so the load has somewhere to put it."""
-        model_state = self.module.sharded_state_dict(prefix="model.")
+        model_state = sharding.sharded_state_dict(self.module, prefix="model.")  # loads into either spec
         # Name optimizer tensors by their parameters only (no "chained_N." prefix for the dense/expert
         # optimizer pair that EP creates) and, for the distributed optimizer, in a fully reshardable
         # format: the optimizer state then loads at another TP/EP/DP layout like the weights do.
@@ -445,6 +496,6 @@ class PolicyModel:
                 "scheduler": self.scheduler.state_dict()}
 
     def load_sharded_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict({k.removeprefix("model."): v for k, v in state["model"].items()}, strict=True)
+        sharding.load_module_state(self.module, state["model"], prefix="model.")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -32,7 +32,9 @@ from gspo_megatron.megatron.parallel import initialize_model_parallel
 from gspo_megatron.batching import TrainSequence, iter_minibatches, split_for_data_parallel
 from gspo_megatron.megatron.policy_model import PolicyModel
 from gspo_megatron.rollout.base import SamplingParams
-from gspo_megatron.trainer.config import TrainConfig, save_config
+from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
+from gspo_megatron.trainer.run_dir import claim as claim_run_dir
+from gspo_megatron.trainer.run_dir import on_main_rank
 from gspo_megatron.typed_config import to_dict
 
 
@@ -47,8 +49,6 @@ class Trainer:
                  init_checkpoint: str | Path | None = None):
         """resume: continue from the newest checkpoint in ``run_dir``; init_checkpoint: take the weights
         (only) of that checkpoint folder instead of the configured initialisation (``gspo-megatron eval``)."""
-        from megatron.core import parallel_state as ps
-
         from gspo_megatron.data.dataset import load_prompt_datasets
         from gspo_megatron.data.iterator import PromptIterator
         from gspo_megatron.rewards.pool import build_reward_pool
@@ -59,11 +59,10 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.rank = dist.get_rank()
         self.is_main = self.rank == 0
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(config, self.run_dir / "config.yaml")
+        # one run per folder, locked while in use (trainer/run_dir.py); config.yaml is written only once
+        # the set-up below succeeded, so a failed start or resume never replaces the run's saved config
+        self.run_lock = on_main_rank(lambda: claim_run_dir(self.run_dir, resume), self.is_main)
         initialize_model_parallel(config.parallel, seed=config.model.init_seed)
-        self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
 
         self.tokenizer = self._load_tokenizer()
         self.model_config = self._model_config()
@@ -71,6 +70,7 @@ class Trainer:
         self.policy = PolicyModel(self.model_config, config.parallel, config.optimizer, config.loss,
                                   max_tokens_per_microbatch=config.train.max_tokens_per_microbatch,
                                   temperature=config.rollout.temperature)
+        self.dp_size, self.dp_rank = self.policy.groups.dp_size, self.policy.groups.dp_rank
         self.reference = None
         if config.loss.kl_coef > 0:
             # a frozen copy of the initial weights; built only when the KL term is on
@@ -84,7 +84,7 @@ class Trainer:
         self.train_data, self.eval_data = load_prompt_datasets(config.data, self.tokenizer)
         self.prompts = PromptIterator(self.train_data, config.train.prompts_per_step, seed=config.data.seed,
                                       shuffle=config.data.shuffle)
-        self.rewards = build_reward_pool(config.rewards)
+        self.rewards = build_reward_pool(config.rewards, on_failures=self._count_reward_failures)
         self.preemption = PreemptionFlag()
         self.preemption.install()
         self.step = 0
@@ -108,6 +108,11 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=config.logging.tensorboard,
                                     wandb_project=config.logging.wandb_project, total_steps=config.train.steps,
                                     console=config.logging.console)
+        if self.is_main:
+            save_config(config, self.run_dir / "config.yaml")
+
+    def _count_reward_failures(self, n: int) -> None:
+        self.faults["reward_failures"] += n
 
     # ---- set-up --------------------------------------------------------------------------------
     def _load_tokenizer(self):
@@ -138,8 +143,12 @@ class Trainer:
         return engine
 
     def _initialise_weights(self) -> None:
-        """Load HF weights when given; otherwise keep Megatron's seeded random initialisation."""
+        """Load HF weights when given; otherwise the canonical random initialisation of model.init_seed
+        (the same weights at every parallel layout: megatron/canonical_init.py)."""
         if self.config.model.hf_dir is None:
+            from gspo_megatron.megatron.canonical_init import initialise_canonical
+
+            initialise_canonical(self.policy.module, self.model_config, self.config.model.init_seed)
             return
         from gspo_megatron.conversion.safetensors_io import HFCheckpoint
         from gspo_megatron.conversion.tables import expand
@@ -201,9 +210,7 @@ class Trainer:
             group = slice(k * samples_per_prompt, (k + 1) * samples_per_prompt)
             local.append((prompt, samples[group], rewards[group]))
         parts = [None] * self.dp_size
-        from megatron.core import parallel_state as ps
-
-        dist.all_gather_object(parts, (local, reward_metrics), group=ps.get_data_parallel_group())
+        dist.all_gather_object(parts, (local, reward_metrics), group=self.policy.groups.data_parallel)
         gathered = [item for part, _ in parts for item in part]
         merged_metrics: dict[str, float] = {}
         for _, m in parts:
@@ -245,6 +252,10 @@ class Trainer:
         raise AssertionError("unreachable")
 
     def train_step(self) -> dict[str, float]:
+        """One GSPO step, the paper's order: 1-2 rollout of G samples per prompt and their rewards; 3 group
+        advantages (Eq. 6); 4 old-policy log-probs; 5 reference log-probs (KL > 0); 6 one optimizer step per
+        mini-batch; 7 weight sync to the rollout engine; 8 metrics. Routing Replay (R2/R3) and routing
+        drift live inside steps 4 and 6 (``_old_logprobs``, ``_update``)."""
         cfg = self.config
         G = cfg.rollout.samples_per_prompt
         torch.manual_seed(step_seed(cfg.train.seed, self.step, self.rank))
@@ -263,39 +274,15 @@ class Trainer:
         rewards = torch.tensor([r for _, _, rs in batch for r in rs], dtype=torch.float32).view(len(batch), G)
         adv = group_advantages(rewards, estimator=cfg.loss.advantage_estimator, eps=cfg.loss.advantage_eps,
                                batch_norm=cfg.loss.advantage_batch_norm)
-        seqs: list[TrainSequence] = []
-        for (prompt, samples, _), advantages in zip(batch, adv.advantages):
-            for sample, a in zip(samples, advantages.tolist()):
-                tokens = torch.tensor(list(prompt.prompt_ids) + list(sample.response_ids), dtype=torch.long)
-                seqs.append(TrainSequence(tokens, len(prompt.prompt_ids), advantage=a,
-                                          rollout_logprobs=torch.tensor(sample.logprobs, dtype=torch.float32),
-                                          routed_experts=sample.all_routed_experts() if replay == "r3" else None))
-        seqs = [q for q in seqs if q.response_len > 0]
+        seqs = _training_sequences(batch, adv.advantages, with_routing=replay == "r3")
         minibatches = list(iter_minibatches(seqs, cfg.train.minibatches_per_step))
         shares = [split_for_data_parallel(mb, self.dp_size, self.dp_rank) for mb in minibatches]
         my_seqs = [q for share in shares for q in share]
 
-        # 4. old log-probs: recomputed by the training model (default; under R3 with the engine's experts)
-        #    in one call for the whole step, or the engine's. R2 records the experts of this forward.
+        # 4. old log-probs: recomputed by the training model (default) in one call for the whole step, or
+        #    the engine's (paper section 5.4)
         t1 = time.perf_counter()
-        # Routing drift "after one gradient update" is read on mini-batch 1: its old-policy forward here
-        # is before any update, its update forward comes after exactly one (no extra forward needed).
-        # Under R3 "before" is the engine's routing, so the figure includes the rollout/training mismatch.
-        drift = (self.model_config.is_moe and cfg.train.measure_routing_drift and len(shares) > 1
-                 and cfg.rollout.logprobs_from == "recompute")
-        routing_before: dict[int, torch.Tensor] = {}
-        if cfg.rollout.logprobs_from == "recompute":
-            with self._recorder(drift or replay == "r2") as recorder:
-                old = self.policy.compute_logprobs(my_seqs, replay=replay == "r3")
-            if replay == "r2":
-                routing_before = dict(zip(map(id, my_seqs), self.policy.record_routing(my_seqs, recorder)))
-            elif drift:
-                routing_before = dict(zip(map(id, my_seqs), self.policy.sequence_routing(my_seqs, recorder)))
-            for q, o in zip(my_seqs, old):
-                q.old_logprobs = o["logprobs"]
-        else:
-            for q in my_seqs:
-                q.old_logprobs = q.rollout_logprobs
+        routing_before = self._old_logprobs(my_seqs, replay, measure_drift=self._measures_drift(shares))
         # 5. reference log-probs when the KL term is on
         if self.reference is not None:
             for q, o in zip(my_seqs, self.reference.compute_logprobs(my_seqs)):
@@ -304,20 +291,7 @@ class Trainer:
 
         # 6. one optimizer step per mini-batch
         t2 = time.perf_counter()
-        update_metrics = []
-        metrics: dict[str, float] = {}
-        for k, share in enumerate(shares):
-            measure = k == 1 and drift and replay == "off"
-            with self._recorder(measure) as routing_after:
-                update_metrics.append(self.policy.train_minibatch(share, replay=replay != "off"))
-            if measure:
-                # routing drift after one gradient update (paper: ~10% of experts change on Qwen3-30B-A3B)
-                metrics.update(self._routing_drift(share, routing_before, routing_after))
-            if k == 0 and drift and replay != "off":
-                # the update forwards replay the recorded experts, so free routing takes one extra forward
-                with self._recorder(True) as routing_after:
-                    self.policy.compute_logprobs(shares[1])
-                metrics.update(self._routing_drift(shares[1], routing_before, routing_after))
+        update_metrics, metrics = self._update(shares, replay, routing_before)
         self.faults["skipped_updates"] = self.policy.skipped_steps
         timings["time_update_s"] = time.perf_counter() - t2
 
@@ -329,15 +303,8 @@ class Trainer:
 
         # 8. metrics
         metrics.update(_mean_dicts(update_metrics))
-        metrics["reward_mean"] = float(rewards.mean())
-        metrics["reward_std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
-        metrics["accuracy"] = float((rewards >= 1.0).float().mean())
-        metrics["zero_variance_group_frac"] = float(adv.zero_variance.float().mean())
-        lengths = torch.tensor([len(s.response_ids) for _, samples, _ in batch for s in samples], dtype=torch.float32)
-        metrics["response_length_mean"] = float(lengths.mean())
-        from megatron.core import parallel_state as ps
-
-        metrics.update(_logprob_gap(my_seqs, ps.get_data_parallel_group()))
+        metrics.update(_batch_metrics(batch, rewards, adv.zero_variance))
+        metrics.update(_logprob_gap(my_seqs, self.policy.groups.data_parallel))
         metrics.update({f"reward/{k}": v for k, v in reward_metrics.items()})
         metrics.update(timings)
         total = time.perf_counter() - t0
@@ -346,45 +313,50 @@ class Trainer:
         metrics.update({f"faults/{k}": float(v) for k, v in self.faults.items()})
         return metrics
 
-    # ---- routing ---------------------------------------------------------------------------------
-    def _recorder(self, active: bool):
-        import contextlib
+    # ---- steps 4 and 6 with Routing Replay and routing drift ----------------------------------------
+    def _measures_drift(self, shares: list[list[TrainSequence]]) -> bool:
+        """Routing drift "after one gradient update" is read on mini-batch 1: its old-policy forward is
+        before any update, and a forward of it after the first update is the "after"."""
+        cfg = self.config
+        return (self.model_config.is_moe and cfg.train.measure_routing_drift and len(shares) > 1
+                and cfg.rollout.logprobs_from == "recompute")
 
-        from megatron.core import parallel_state as ps
+    def _old_logprobs(self, seqs: list[TrainSequence], replay: str, measure_drift: bool) -> dict | None:
+        """Step 4: set each sequence's ``old_logprobs``. Recomputed under R3 with the engine's experts; R2
+        stores the experts of this forward in the sequences. Returns the experts this forward used per
+        sequence (keyed by ``id``) when the drift is measured or R2 recorded them, else None."""
+        if self.config.rollout.logprobs_from == "engine":
+            for q in seqs:
+                q.old_logprobs = q.rollout_logprobs
+            return None
+        with self.policy.routing_recorder(measure_drift or replay == "r2") as recorder:
+            old = self.policy.compute_logprobs(seqs, replay=replay == "r3")
+        for q, o in zip(seqs, old):
+            q.old_logprobs = o["logprobs"]
+        if replay == "r2":
+            return dict(zip(map(id, seqs), self.policy.record_routing(seqs, recorder)))
+        return dict(zip(map(id, seqs), self.policy.sequence_routing(seqs, recorder))) if measure_drift else None
 
-        from gspo_megatron.megatron.routing import RoutingRecorder
-
-        if not active:
-            return contextlib.nullcontext()
-        sp_group = ps.get_tensor_model_parallel_group() if self.config.parallel.use_sequence_parallel else None
-        return RoutingRecorder(self.policy.module, sequence_parallel_group=sp_group)
-
-    def _routing_drift(self, share: list[TrainSequence], before: dict[int, torch.Tensor], after) -> dict[str, float]:
-        """Fraction of (response token, layer) top-k expert sets that changed between the old-policy
-        forward (``before``: per-sequence rows keyed by id) and a forward of ``share`` after one optimizer
-        step (``after``: its RoutingRecorder), over the same tokens."""
-        from megatron.core import parallel_state as ps
-
-        from gspo_megatron.megatron.routing import (drift_fractions, moe_layer_index, moe_routers, reduce_drift,
-                                                    routing_drift)
-
-        index = moe_layer_index(self.policy.module.config)
-        layers = sorted(moe_routers(self.policy.module))  # this pipeline stage's MoE layers
-        # the response tokens' label positions: where the log-probs (and the loss) are read
-        response = [slice(q.prompt_len - 1, int(q.tokens.numel()) - 1) for q in share]
-
-        def by_layer(rows_per_seq):
-            return {layer: torch.cat([rows[cut, index[layer]] for rows, cut in zip(rows_per_seq, response)])
-                    for layer in layers}
-
-        stats = routing_drift(by_layer([before[id(q)] for q in share]),
-                              by_layer(self.policy.sequence_routing(share, after)),
-                              num_layers=self.model_config.num_layers)
-        stats = reduce_drift(stats, ps.get_data_parallel_group())
-        fractions = drift_fractions(stats)
-        out = {"routing_drift": float(fractions["overall"])}
-        out.update({f"routing_drift/layer{i}": float(v) for i, v in enumerate(fractions["per_layer"])})
-        return out
+    def _update(self, shares: list[list[TrainSequence]], replay: str,
+                routing_before: dict | None) -> tuple[list[dict[str, float]], dict[str, float]]:
+        """Step 6: one optimizer step per mini-batch (replaying the stored experts under R2/R3). With
+        ``routing_before`` (and drift measured), mini-batch 1's routing after the first update is compared with
+        its old-policy routing (paper: ~10% of experts change on Qwen3-30B-A3B); under replay its update
+        forward is forced, so free routing takes one extra no-grad forward. Returns (per mini-batch metrics,
+        drift metrics)."""
+        drift = routing_before is not None and self._measures_drift(shares)
+        per_minibatch, drift_metrics = [], {}
+        for k, share in enumerate(shares):
+            before = [routing_before[id(q)] for q in share] if drift and k == 1 else None
+            if before is not None and replay != "off":
+                with self.policy.routing_recorder() as after:
+                    self.policy.compute_logprobs(share)
+                drift_metrics = self.policy.routing_drift(share, before, after)
+            with self.policy.routing_recorder(before is not None and replay == "off") as after:
+                per_minibatch.append(self.policy.train_minibatch(share, replay=replay != "off"))
+            if before is not None and replay == "off":
+                drift_metrics = self.policy.routing_drift(share, before, after)
+        return per_minibatch, drift_metrics
 
     # ---- weights, evaluation, checkpoints --------------------------------------------------------
     def sync_weights(self) -> dict[str, float]:
@@ -416,12 +388,28 @@ class Trainer:
         return self.run_dir / "checkpoints" / f"step_{step:06d}"
 
     def latest_checkpoint(self) -> Path | None:
+        """The newest checkpoint that verifies (ckpt.verify: files, sizes, metadata). Newer damaged ones are
+        skipped with a warning naming each and why; none at all is None; only damaged ones is an error."""
         root = self.run_dir / "checkpoints"
         if not root.is_dir():
             return None
-        done = sorted(p for p in root.iterdir() if p.name.startswith("step_") and (p / "gspo_meta.json").is_file()
-                      and not p.name.endswith((".incomplete", ".old")))
-        return done[-1] if done else None
+        done = sorted((p for p in root.iterdir() if p.name.startswith("step_") and (p / "gspo_meta.json").is_file()
+                       and not p.name.endswith((".incomplete", ".old"))), reverse=True)
+        skipped = []
+        for path in done:
+            try:
+                ckpt.verify(path)
+            except ckpt.CheckpointError as err:
+                skipped.append(str(err))
+                if self.is_main:
+                    print(f"warning: skipping damaged checkpoint {path.name}: {err}", flush=True)
+                continue
+            if skipped and self.is_main:
+                print(f"warning: resuming from {path.name}, the newest complete checkpoint", flush=True)
+            return path
+        if skipped:
+            raise ckpt.CheckpointError(f"{root}: no complete checkpoint to resume from ({'; '.join(skipped)})")
+        return None
 
     def _sharded_state(self, is_loading: bool = False) -> dict:
         state = self.policy.sharded_state_dict(is_loading)
@@ -441,15 +429,23 @@ class Trainer:
         return path
 
     def load_checkpoint(self, path: Path, restore_progress: bool = True) -> None:
-        """Model, optimizer, schedule (and reference) from ``path``; with ``restore_progress`` also the step,
-        the data position and the fault counters (a resume), else only the weights' state."""
+        """With ``restore_progress`` (a resume): model, optimizer, schedule, reference, the step, the data
+        position and the fault counters. Without: the policy weights only (a training checkpoint or a
+        converted one, which has nothing else), which the reference then copies."""
+        if not restore_progress:
+            from gspo_megatron.megatron import sharding
+
+            state = ckpt.load({"model": sharding.sharded_state_dict(self.policy.module, prefix="model.")}, path)
+            sharding.load_module_state(self.policy.module, state["model"], prefix="model.")
+            if self.reference is not None:
+                self._copy_weights(self.policy, self.reference)
+            return
+        check_resumable(ckpt.read_meta(path).get("config", {}), to_dict(self.config), path)
         state = ckpt.load(self._sharded_state(is_loading=True), path)
         self.policy.load_sharded_state_dict(state)
         if self.reference is not None:
             self.reference.module.load_state_dict(
                 {k.removeprefix("reference."): v for k, v in state["reference"].items()}, strict=True)
-        if not restore_progress:
-            return
         meta = ckpt.read_meta(path)
         self.step = int(meta["step"])
         self.prompts.load_state_dict(meta["data"])
@@ -493,6 +489,31 @@ class Trainer:
         self.rewards.close()
         self.engine.shutdown()
         self.preemption.uninstall()
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+
+def _training_sequences(batch, advantages: torch.Tensor, with_routing: bool) -> list[TrainSequence]:
+    """Step 3's output: one TrainSequence per sample with a non-empty response, in prompt-major order;
+    ``with_routing``: each carries the engine's experts (R3)."""
+    seqs = []
+    for (prompt, samples, _), group in zip(batch, advantages):
+        for sample, a in zip(samples, group.tolist()):
+            tokens = torch.tensor(list(prompt.prompt_ids) + list(sample.response_ids), dtype=torch.long)
+            seqs.append(TrainSequence(tokens, len(prompt.prompt_ids), advantage=a,
+                                      rollout_logprobs=torch.tensor(sample.logprobs, dtype=torch.float32),
+                                      routed_experts=sample.all_routed_experts() if with_routing else None))
+    return [q for q in seqs if q.response_len > 0]
+
+
+def _batch_metrics(batch, rewards: torch.Tensor, zero_variance: torch.Tensor) -> dict[str, float]:
+    """Reward, accuracy and response-length statistics of a rollout batch (rewards [B, G])."""
+    lengths = torch.tensor([len(s.response_ids) for _, samples, _ in batch for s in samples], dtype=torch.float32)
+    return {"reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "accuracy": float((rewards >= 1.0).float().mean()),
+            "zero_variance_group_frac": float(zero_variance.float().mean()),
+            "response_length_mean": float(lengths.mean())}
 
 
 def _mean_dicts(parts: list[dict[str, float]]) -> dict[str, float]:
