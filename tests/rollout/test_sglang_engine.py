@@ -16,7 +16,7 @@ from gspo_megatron.rollout.sglang_config import SGLangConfig
 from gspo_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineError, attach_servers, launch_servers
 from gspo_megatron.typed_config import ConfigError, build
 
-from sglang_standin import StandinServer, StandinState, free_port
+from tests.rollout.sglang_standin import StandinServer, StandinState, free_port
 
 STANDIN = str(Path(__file__).with_name("sglang_standin.py"))
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]

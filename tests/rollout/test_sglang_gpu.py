@@ -17,7 +17,7 @@ from gspo_megatron.rollout.sglang_config import SGLangConfig
 from gspo_megatron.rollout.sglang_engine import SGLangEngine
 from gspo_megatron.typed_config import build
 
-from sglang_standin import free_port
+from tests.rollout.sglang_standin import free_port
 
 pytestmark = [
     pytest.mark.gpu, pytest.mark.slow,

@@ -12,7 +12,7 @@ from gspo_megatron.rollout.sglang_http import (RetriesExhausted, RetryPolicy, Se
                                                ServerUnreachable, call_with_retry, request)
 from gspo_megatron.rollout.sglang_server import ServerProcess, ServerStartError, wait_healthy
 
-from sglang_standin import StandinServer, StandinState, free_port
+from tests.rollout.sglang_standin import StandinServer, StandinState, free_port
 
 STANDIN = str(Path(__file__).with_name("sglang_standin.py"))
 

@@ -16,7 +16,7 @@ from gspo_megatron.rollout.sglang_weight_sync import (DiskCheckpointWriter, Trai
                                                       update_from_disk_body, update_from_distributed_body,
                                                       update_from_tensor_body)
 
-from sglang_standin import free_port
+from tests.rollout.sglang_standin import free_port
 
 STANDIN = str(Path(__file__).with_name("sglang_standin.py"))
 

@@ -12,7 +12,7 @@ from gspo_megatron.megatron.parallel import ParallelConfig
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.models import tiny_moe_config
 
-from weight_sync_workers import SMALL_BUCKET_BYTES, SyncCase, sync_cases
+from tests.rollout.weight_sync_workers import SMALL_BUCKET_BYTES, SyncCase, sync_cases
 
 FP32_ATOL = 1e-5
 DEFAULT_BUCKET_BYTES = 64 * 1024  # a few buckets for these tiny models

@@ -1,7 +1,7 @@
 """Spawned-rank functions for tests/rollout/test_weight_sync.py.
 
-tests/rollout has no ``__init__.py``: pytest puts this folder on ``sys.path`` and spawned ranks inherit
-it, so the rank function is pickled as ``weight_sync_workers.sync_cases`` and found there.
+Spawned ranks import the rank function as ``tests.rollout.weight_sync_workers.sync_cases`` (tests/rollout
+is a package).
 
 One spawn serves every case: each case re-initialises Megatron's parallel state for its layout, builds the
 policy (DDP-wrapped, as the trainer passes it to ``sync_weights``) with canonical weights, and a

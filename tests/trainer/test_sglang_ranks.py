@@ -19,13 +19,10 @@ from gspo_megatron.trainer.rollout_setup import (ColocatedLayout, SGLangSetupErr
                                                  launching_rank, sglang_pushes)
 from gspo_megatron.typed_config import build
 
-ROLLOUT_TESTS = Path(__file__).resolve().parents[1] / "rollout"
-sys.path.insert(0, str(ROLLOUT_TESTS))  # sglang_standin lives there (no package); spawned ranks re-run this
+from tests.rollout import sglang_standin
+from tests.rollout.sglang_standin import StandinServer, StandinState, free_port
 
-import sglang_standin  # noqa: E402
-from sglang_standin import StandinServer, StandinState, free_port  # noqa: E402
-
-STANDIN = str(ROLLOUT_TESTS / "sglang_standin.py")
+STANDIN = sglang_standin.__file__
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
 FAST = {"backoff_s": 0.01, "backoff_max_s": 0.02, "health_timeout_s": 2.0, "attach_timeout_s": 10.0}
 

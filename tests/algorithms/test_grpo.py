@@ -1,7 +1,7 @@
 """GRPO: per-token ratios (Eq. 11-12), clip-higher, aggregation modes."""
 import pytest
 import torch
-from algo_helpers import grad_of, random_raw
+from tests.algorithms.helpers import grad_of, random_raw
 
 from gspo_megatron.algorithms import LossConfig, grpo_loss, policy_loss
 

@@ -1,7 +1,7 @@
 """Packed vs padded layouts, micro-batch splits with global normalisers, empty and masked batches."""
 import pytest
 import torch
-from algo_helpers import grad_of, random_raw
+from tests.algorithms.helpers import grad_of, random_raw
 
 from gspo_megatron.algorithms import (
     LossConfig,

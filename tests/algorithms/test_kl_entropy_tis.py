@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from algo_helpers import grad_of, random_raw
+from tests.algorithms.helpers import grad_of, random_raw
 
 from gspo_megatron.algorithms import LossConfig, gspo_loss, kl_estimate, policy_loss, sequence_sums
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from algo_helpers import grad_of, random_raw
+from tests.algorithms.helpers import grad_of, random_raw
 
 from gspo_megatron.algorithms import (
     LossConfig,
