@@ -1,7 +1,8 @@
 """`gspo-megatron convert hf-to-megatron | megatron-to-hf | check` (see docs/conversion.md).
 
-Exit status: 0 on success, 1 when ``check`` finds logits further apart than ``--atol``, 2 on bad input
-(the message names the file, key or field).
+Exit status: 0 success; 2 bad input (one line naming the file, key or field); 3 ``check`` ran and found
+logits further apart than ``--atol``; 1 an unexpected error (a crash: one line, the traceback with
+``--debug``, see ``gspo-megatron --help``).
 """
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import argparse
 import re
 import sys
 
-from gspo_megatron.conversion.errors import ConversionError
-from gspo_megatron.typed_config import ConfigError
+EXIT_OK, EXIT_CHECK_FAILED = 0, 3  # bad input (2) and crashes (1): gspo_megatron.cli
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
@@ -68,12 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a conversion command; an error is reported in one line (gspo_megatron.cli.run_reporting_errors)
+    as EXIT_BAD_INPUT or EXIT_CRASH."""
+    from gspo_megatron.cli import run_reporting_errors
+
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        return _run(args)
-    except (ConversionError, ConfigError, FileNotFoundError) as err:  # bad input: report it, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_reporting_errors("convert", lambda: _run(args))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -97,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
     verdict = "ok" if diff <= atol else "MISMATCH"
     print(f"max |logits_megatron - logits_hf| = {diff:.3e} at tp={args.tp} pp={args.pp} ep={args.ep} "
           f"(atol {atol:.1e}): {verdict}")
-    return 0 if diff <= atol else 1
+    return EXIT_OK if diff <= atol else EXIT_CHECK_FAILED
 
 
 if __name__ == "__main__":

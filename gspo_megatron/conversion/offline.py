@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -33,6 +34,7 @@ from gspo_megatron.conversion.safetensors_io import (INDEX_NAME, BackgroundWrite
                                                      SafetensorsWriter, TensorSpec, plan_shards, write_index)
 from gspo_megatron.conversion.tables import Entry, expand, validate_layout
 from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.processes import pid_running
 
 MODEL_CONFIG_NAME = "model_config.json"
 HF_FILES_DIR = "hf"  # inside a converted Megatron checkpoint: the HF config/tokenizer files it came with
@@ -47,9 +49,17 @@ MEGATRON_ONLY_FIELDS = ("make_vocab_size_divisible_by",)
 # ---- output folders and progress ----------------------------------------------------------------
 
 def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> None:
+    """``out`` may be replaced (``--overwrite``) only when that cannot touch an input: it must neither be,
+    contain, nor lie inside an input folder."""
+    target = out.resolve()
     for source in inputs:
-        if out.resolve() == source.resolve():
+        src = source.resolve()
+        if target == src:
             raise ConversionError(f"{out}: the output folder is an input folder")
+        if target in src.parents:
+            raise ConversionError(f"{out}: the output folder contains the input {source}; choose an --out outside it")
+        if src in target.parents:
+            raise ConversionError(f"{out}: the output folder is inside the input {source}; choose an --out outside it")
     if out.exists() and not out.is_dir():
         raise ConversionError(f"{out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -61,7 +71,8 @@ def atomic_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> Itera
     """Yield a temporary sibling folder; on success it replaces ``out``, on failure it is removed."""
     check_output(out, overwrite, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.incomplete-", dir=out.parent))
+    remove_stale_staging(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(out)}{socket.gethostname()}-{os.getpid()}-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
@@ -77,6 +88,23 @@ def atomic_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> Itera
         shutil.rmtree(old)
     else:
         tmp.rename(out)
+
+
+def _staging_prefix(out: Path) -> str:
+    return f".{out.name}.incomplete-"
+
+
+def remove_stale_staging(out: Path) -> list[Path]:
+    """Delete the staging folders of ``out`` left by conversions that were killed: named
+    ``.<out>.incomplete-<host>-<pid>-*`` with this host and a pid that no longer runs. Returns them."""
+    host, removed = socket.gethostname(), []
+    for folder in out.parent.glob(_staging_prefix(out) + "*"):
+        owner = folder.name[len(_staging_prefix(out)):].rsplit("-", 2)
+        if len(owner) != 3 or owner[0] != host or not owner[1].isdigit() or pid_running(int(owner[1])):
+            continue
+        shutil.rmtree(folder)
+        removed.append(folder)
+    return removed
 
 
 def progress_bar(total_bytes: int, desc: str, enabled: bool):
@@ -226,7 +254,9 @@ def _planned_chunk(hf: HFCheckpoint, entry: Entry, chunk: dcp_io.Chunk, dtype: t
 # ---- Megatron -> HF ------------------------------------------------------------------------------
 
 def _config_from_checkpoint(directory: Path) -> ModelConfig | None:
-    """model_config.json (written by hf_to_megatron), else gspo_meta.json's model_config, else None."""
+    """model_config.json (written by hf_to_megatron), else gspo_meta.json's model_config, else the model
+    of the training config a training checkpoint's gspo_meta.json holds (model.config or model.hf_dir),
+    else None."""
     from gspo_megatron.typed_config import build
 
     own, meta = directory / MODEL_CONFIG_NAME, directory / "gspo_meta.json"
@@ -236,6 +266,15 @@ def _config_from_checkpoint(directory: Path) -> ModelConfig | None:
         data = json.loads(meta.read_text())
         if "model_config" in data:
             return build(ModelConfig, data["model_config"], f"{meta}: model_config")
+        model = data.get("config", {}).get("model", {})
+        if model.get("config") is not None:
+            return build(ModelConfig, model["config"], f"{meta}: config.model.config")
+        if model.get("hf_dir") is not None:
+            hf_dir = Path(model["hf_dir"])
+            if not (hf_dir / "config.json").is_file():
+                raise ConversionError(f"{meta}: the run's model.hf_dir {hf_dir} has no config.json any more; pass "
+                                      f"--hf-template with the model's Hugging Face folder")
+            return ModelConfig.from_hf_dir(hf_dir)
     return None
 
 

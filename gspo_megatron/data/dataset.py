@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from gspo_megatron.data.chat import check_template, render_prompt
 from gspo_megatron.data.config import DataConfig, FieldMap
-from gspo_megatron.data.readers import DatasetError, read_rows
+from gspo_megatron.data.readers import DatasetError, InvalidLine, read_rows
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,9 @@ def _load_files(name: str, paths: list[str], split: str | None, cfg: DataConfig,
     parsed: list[tuple[str, dict[str, Any], str]] = []  # (location, fields, rendered prompt)
     for path in paths:
         for location, row in read_rows(path, cfg.format, split):
+            if isinstance(row, InvalidLine):
+                invalid(location, row.reason)
+                continue
             try:
                 fields = _parse_row(row, cfg.fields)
             except _Invalid as err:

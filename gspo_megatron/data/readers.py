@@ -7,15 +7,25 @@ saved folder is read with pyarrow (its ``state.json`` lists Arrow IPC *stream* f
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from typing import Any, Iterator
-
-Row = dict[str, Any]
+from typing import Any, Iterator, Union
 
 
 class DatasetError(ValueError):
     """A dataset file or row is invalid; the message starts with the file and line/row."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InvalidLine:
+    """A JSONL line that holds no record (bad bytes, bad JSON, not an object); the loader raises or
+    skips it per ``data.on_invalid_row``, like any other invalid row."""
+
+    reason: str
+
+
+Row = Union[dict[str, Any], InvalidLine]
 
 
 def detect_format(path: str, configured: str) -> str:
@@ -32,25 +42,42 @@ def detect_format(path: str, configured: str) -> str:
                        "(jsonl, parquet or hf_disk)")
 
 
+def parse_jsonl_line(raw: bytes) -> Row | None:
+    """One JSONL line (bytes, as read): the record, ``InvalidLine`` saying why there is none, or None
+    for a blank line (e.g. a trailing newline)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return InvalidLine(f"not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})")
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        return InvalidLine(f"invalid JSON ({err.msg} at column {err.colno})")
+    if not isinstance(row, dict):
+        return InvalidLine(f"expected a JSON object, got {type(row).__name__}")
+    return row
+
+
 def read_jsonl(path: str) -> Iterator[tuple[str, Row]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue  # blank lines (e.g. a trailing newline) hold no record
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DatasetError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            yield f"{path}:{lineno}", row
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            row = parse_jsonl_line(raw)
+            if row is not None:
+                yield f"{path}:{lineno}", row
 
 
 def read_parquet(path: str) -> Iterator[tuple[str, Row]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=4096)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise DatasetError(f"{path}: not a readable Parquet file ({err})") from None
     index = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+    for batch in batches:
         for row in batch.to_pylist():
             index += 1
             yield f"{path} row {index}", row
@@ -108,4 +135,4 @@ def read_rows(path: str, fmt: str = "auto", split: str | None = None) -> Iterato
     raise DatasetError(f"{path}: unknown format {fmt!r}")
 
 
-__all__ = ["DatasetError", "detect_format", "read_hf_disk", "read_jsonl", "read_parquet", "read_rows"]
+__all__ = ["DatasetError", "InvalidLine", "detect_format", "read_hf_disk", "read_jsonl", "read_parquet", "read_rows"]

@@ -23,10 +23,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from gspo_megatron.rewards.config import RewardConfig
 from gspo_megatron.rewards.sandbox import probe_isolation
@@ -36,7 +37,7 @@ from gspo_megatron.rewards.types import sample_mapping
 log = logging.getLogger(__name__)
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_BOOT = "from gspo_megatron.rewards.worker import main; main({}, {})"
+_BOOT = "from gspo_megatron.rewards.worker import main; main({}, {}, {})"
 _ASYNC_GRACE_S = 5.0
 
 
@@ -96,8 +97,11 @@ def _shutdown(workers: list[_Worker]) -> None:
 class RewardPool:
     """Scores batches with the terms of ``cfg``; see the module docstring."""
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, on_failures: Callable[[int], None] | None = None):
+        """on_failures(n): called after each batch with n > 0 failed (error or timeout) term scores (the
+        trainer's ``faults/reward_failures`` counter)."""
         self.cfg = cfg
+        self.on_failures = on_failures
         self.isolation: dict[str, Any] | None = None
         if any(t.name == "code" for t in cfg.terms):
             self.isolation = probe_isolation(cfg.code.sandbox)
@@ -125,7 +129,10 @@ class RewardPool:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env.setdefault("OMP_NUM_THREADS", "1")  # a reward that imports numpy must not grab every core
-        proc = subprocess.Popen([sys.executable, "-c", _BOOT.format(to_worker_r, from_worker_w)],
+        # the worker dies with us (processes.py); the kernel's signal follows the spawning thread, so a
+        # worker spawned from another thread relies on its orphan watcher alone
+        death_parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
+        proc = subprocess.Popen([sys.executable, "-c", _BOOT.format(to_worker_r, from_worker_w, death_parent)],
                                 pass_fds=(to_worker_r, from_worker_w), stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
         os.close(to_worker_r)
@@ -307,7 +314,10 @@ class RewardPool:
         metrics["rewards/timeouts"] = sum(metrics[f"rewards/{t.metric_key}/timeouts"] for t in self.cfg.terms)
         metrics["rewards/worker_restarts"] = float(stats["worker_restarts"])
         metrics["rewards/time_s"] = elapsed_s
-        if metrics["rewards/errors"] or metrics["rewards/timeouts"]:
+        failed = int(metrics["rewards/errors"] + metrics["rewards/timeouts"])
+        if failed and self.on_failures is not None:
+            self.on_failures(failed)
+        if failed:
             log.warning("rewards: %d errors, %d timeouts in a batch of %d; latest: %s", metrics["rewards/errors"],
                         metrics["rewards/timeouts"], n, self.recent_errors[-1] if self.recent_errors else "")
         return totals, metrics
@@ -327,8 +337,8 @@ class RewardPool:
         self.close()
 
 
-def build_reward_pool(cfg: RewardConfig) -> RewardPool:
-    return RewardPool(cfg)
+def build_reward_pool(cfg: RewardConfig, on_failures: Callable[[int], None] | None = None) -> RewardPool:
+    return RewardPool(cfg, on_failures)
 
 
 __all__ = ["RewardPool", "build_reward_pool"]

@@ -28,7 +28,12 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     os._exit(1)
 
 
-def main(read_fd: int, write_fd: int) -> None:
+def main(read_fd: int, write_fd: int, death_parent: int | None = None) -> None:
+    """death_parent: the pool's pid when the kernel should kill this worker with it (processes.py)."""
+    if death_parent is not None:
+        from gspo_megatron.processes import die_with_parent
+
+        die_with_parent(death_parent)
     inbox = Connection(read_fd, writable=False)
     outbox = Connection(write_fd, readable=False)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()

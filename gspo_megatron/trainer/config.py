@@ -177,6 +177,53 @@ class TrainConfig:
         responses = self.train.prompts_per_step * self.rollout.samples_per_prompt
         check(responses >= self.train.minibatches_per_step, "train.minibatches_per_step",
               f"must be <= prompts_per_step x samples_per_prompt = {responses}")
+        model, where = self.model.config, "model.config"
+        if model is None and self.model.hf_dir is not None and (Path(self.model.hf_dir) / "config.json").is_file():
+            model, where = ModelConfig.from_hf_dir(self.model.hf_dir), f"{self.model.hf_dir}/config.json:"
+        if model is not None:
+            check_layout(self.parallel, model, where)
+
+
+def check_layout(parallel: ParallelConfig, model: ModelConfig, where: str) -> None:
+    """Each parallel size must divide the model dimension it splits; the error names both fields (Megatron's
+    own check is a bare assertion deep in model construction)."""
+    splits = [("tensor_parallel", "num_attention_heads"), ("tensor_parallel", "num_key_value_heads"),
+              ("pipeline_parallel", "num_layers")]
+    splits.append(("tensor_parallel", "moe_ffn_hidden_size" if model.is_moe else "ffn_hidden_size"))
+    if model.is_moe:
+        splits.append(("expert_parallel", "num_experts"))
+    else:
+        check(parallel.expert_parallel == 1, "parallel.expert_parallel",
+              f"must be 1 for a dense model ({where} num_experts is 0), got {parallel.expert_parallel}")
+    sep = "" if where.endswith(":") else "."
+    for size_field, model_field in splits:
+        size, value = getattr(parallel, size_field), getattr(model, model_field)
+        check(value % size == 0, f"parallel.{size_field}",
+              f"{size} does not divide {where}{sep}{model_field}={value}")
+
+
+def check_resumable(saved: dict, current: dict, checkpoint: Path) -> None:
+    """A resume continues the run the checkpoint belongs to: the same model, and the same expert-parallel
+    size (the optimizer state does not move between EP sizes: Megatron builds a different optimizer
+    structure for expert parameters; weights do). ``saved``/``current``: to_dict of the two configs."""
+    old_model, new_model = saved.get("model", {}), current["model"]
+    diff = [k for k in ("hf_dir", "config") if old_model.get(k) != new_model.get(k)]
+    if diff:
+        fields = [f"model.{k}" for k in diff]
+        if diff == ["config"] and isinstance(old_model.get("config"), dict) and isinstance(new_model["config"], dict):
+            fields = [f"model.config.{k}" for k in sorted(set(old_model["config"]) | set(new_model["config"]))
+                      if old_model["config"].get(k) != new_model["config"].get(k)]
+        raise ConfigError(f"{checkpoint}: the checkpoint holds another model ({', '.join(fields)} differ); resume "
+                          f"with the run's own model section (its config.yaml), or start a new run in another "
+                          f"--run-dir")
+    old_ep = saved.get("parallel", {}).get("expert_parallel", 1)
+    new_ep = current["parallel"]["expert_parallel"]
+    if old_ep != new_ep:
+        raise ConfigError(
+            f"{checkpoint}: saved at parallel.expert_parallel={old_ep}, this run asks for {new_ep}: the optimizer "
+            f"state cannot move between expert-parallel sizes. Resume with parallel.expert_parallel={old_ep}, or "
+            f"move the weights only: gspo-megatron convert megatron-to-hf --megatron-dir {checkpoint} --out HF_DIR, "
+            f"then a new run with model.hf_dir=HF_DIR (Adam state and LR schedule start over)")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

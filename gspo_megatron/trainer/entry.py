@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,24 +14,40 @@ def add_train_arguments(parser: argparse.ArgumentParser, config_required: bool =
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.steps=10")
     parser.add_argument("--run-dir", default=None, help="output folder (default: runs/<config name>)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
-    parser.add_argument("--nproc", type=int, default=1,
+    parser.add_argument("--nproc", type=_positive_int, default=1,
                         help="start this many local processes with torchrun (ignored under torchrun/srun)")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _relaunch_with_torchrun(argv: list[str], nproc: int) -> int:
-    """Re-run this command under torchrun on this machine with ``nproc`` processes."""
+    """Re-run this command under torchrun on this machine with ``nproc`` processes. torchrun and its
+    ranks die with this command (SIGKILL included); SIGTERM / SIGINT reach torchrun, which stops the ranks
+    (they save a checkpoint at the end of the step, see trainer/preemption.py)."""
+    from gspo_megatron.processes import DIE_WITH_PARENT_ENV, run_forwarding_signals
+
     args = [a for i, a in enumerate(argv) if not (a.startswith("--nproc") or (i and argv[i - 1] == "--nproc"))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "gspo_megatron.cli", *args]
-    return subprocess.call(cmd)
+    return run_forwarding_signals(cmd, env={**os.environ, DIE_WITH_PARENT_ENV: "1"})
 
 
 def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     from gspo_megatron.trainer.launch_env import export_for_torch, resolve_launch
 
+    from gspo_megatron import processes
+
     launch = resolve_launch(os.environ)
     if launch.launcher == "single" and args.nproc > 1:
         return _relaunch_with_torchrun(argv, args.nproc)
+    if os.environ.get(processes.DIE_WITH_PARENT_ENV) == "1":
+        processes.die_with_parent(processes.STARTED_BY)  # a rank of our own torchrun launch
+    processes.kill_forked_children_with_parent()
     os.environ.update(export_for_torch(launch, os.environ))
 
     import torch

@@ -1,5 +1,9 @@
 """`gspo-megatron eval --checkpoint DIR --dataset FILE`: pass@1 (greedy) and pass@k (sampled) of a
-training checkpoint on held-out prompts, with the run's own model, tokenizer and reward settings."""
+training checkpoint on held-out prompts, with the run's own model, tokenizer and reward settings.
+
+A converted checkpoint (``convert hf-to-megatron``) holds the model but no training config: ``--config``
+(the training YAML) then gives the reward and rollout settings; the model and its tokenizer (the
+checkpoint's ``hf/`` folder) come from the checkpoint."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from gspo_megatron.megatron import checkpoint as ckpt
-from gspo_megatron.typed_config import build
+from gspo_megatron.typed_config import ConfigError, build, to_dict
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,14 +21,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", required=True, help="JSONL / Parquet / saved HF dataset of held-out prompts")
     parser.add_argument("--k", type=int, default=4, help="samples per prompt for pass@k (default 4)")
     parser.add_argument("--num-prompts", type=int, default=1000, help="evaluate at most this many prompts")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--out", default=None, help="write the results as JSON here (a file; not an existing folder)")
+    parser.add_argument("--config", default=None,
+                        help="training YAML for reward/rollout settings (default: the one a training checkpoint holds; "
+                             "required for a converted checkpoint)")
 
 
-def eval_config(checkpoint_dir: Path, dataset: str, k: int, num_prompts: int):
-    """The training run's config (saved in the checkpoint) pointed at ``dataset``, without warm start."""
-    from gspo_megatron.trainer.config import TrainConfig
+def check_out_path(out: Path) -> None:
+    """Refuse an unusable ``--out`` before spending the evaluation on it."""
+    if out.is_dir():
+        raise ConfigError(f"--out {out}: is a folder; give a file name, e.g. {out / 'eval.json'}")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: the folder {out.parent} does not exist")
 
-    config = ckpt.read_meta(checkpoint_dir)["config"]
+
+def _converted_model_section(checkpoint_dir: Path, meta: dict, tokenizer_dir: str | None) -> dict:
+    """The model section for a converted checkpoint: its stored model config, its hf/ tokenizer."""
+    from gspo_megatron.conversion.offline import HF_FILES_DIR
+
+    hf_files = checkpoint_dir / HF_FILES_DIR
+    has_tokenizer = any(hf_files.glob("tokenizer*"))
+    return {"hf_dir": None, "config": meta["model_config"],
+            "tokenizer_dir": str(hf_files.resolve()) if has_tokenizer else tokenizer_dir}
+
+
+def eval_config(checkpoint_dir: Path, dataset: str, k: int, num_prompts: int, config_file: str | None = None):
+    """The training run's config (saved in a training checkpoint, or ``config_file``) pointed at ``dataset``,
+    without warm start; a converted checkpoint's own model."""
+    from gspo_megatron.trainer.config import TrainConfig, load_config
+
+    meta = ckpt.read_meta(checkpoint_dir)
+    if config_file is not None:
+        config = to_dict(load_config(config_file))
+    elif "config" in meta:
+        config = meta["config"]
+    else:
+        raise ConfigError(f"{checkpoint_dir}: a converted checkpoint holds no training config (rewards, rollout); "
+                          f"pass --config with the training YAML")
+    if "config" not in meta:
+        if "model_config" not in meta:
+            raise ConfigError(f"{checkpoint_dir / 'gspo_meta.json'}: neither a training config nor a model_config")
+        config["model"] = _converted_model_section(checkpoint_dir, meta, config["model"].get("tokenizer_dir"))
     config["data"].update(train_files=[str(Path(dataset).resolve())], eval_files=[str(Path(dataset).resolve())],
                           eval_holdout=0)
     config["sft"]["steps"] = 0
@@ -34,12 +71,16 @@ def eval_config(checkpoint_dir: Path, dataset: str, k: int, num_prompts: int):
 
 
 def run_eval(args: argparse.Namespace) -> dict:
+    from gspo_megatron import processes
     from gspo_megatron.megatron import parallel
     from gspo_megatron.trainer.launch_env import export_for_torch, resolve_launch
     from gspo_megatron.trainer.loop import Trainer
 
+    processes.kill_forked_children_with_parent()
     checkpoint_dir = Path(args.checkpoint)
-    config = eval_config(checkpoint_dir, args.dataset, args.k, args.num_prompts)
+    if args.out:
+        check_out_path(Path(args.out))
+    config = eval_config(checkpoint_dir, args.dataset, args.k, args.num_prompts, args.config)
     launch = resolve_launch(os.environ)
     os.environ.update(export_for_torch(launch, os.environ))
     parallel.init_process_group(launch.rank, launch.world_size, launch.master_addr, launch.master_port)

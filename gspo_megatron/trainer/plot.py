@@ -56,7 +56,10 @@ def load_run(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise MetricsFileError(f"{run_dir}: no {METRICS_FILE} here -- is this a training run folder?")
-    return read_metrics(path)
+    records = read_metrics(path)
+    if not records:
+        raise MetricsFileError(f"{path}: empty (the run has not logged a step yet)")
+    return records
 
 
 def metric_value(record: dict[str, Any], metric: str) -> float | None:
@@ -129,7 +132,7 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None) -> list[Path]:
     """Writes ``<group>.png`` for each group with data and ``overview.png``; returns their paths (overview last).
 
     ``out_dir`` defaults to ``run_dirs[0]/plots``. Raises ``MetricsFileError`` for a run folder without a
-    readable metrics.jsonl, and ``ValueError`` when no run holds any plotted metric.
+    readable, non-empty metrics.jsonl, or when no run holds any plotted metric.
     """
     from matplotlib.figure import Figure
 
@@ -138,12 +141,13 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None) -> list[Path]:
     run_dirs = [Path(d) for d in run_dirs]
     runs = [Run(label, load_run(d)) for label, d in zip(run_labels(run_dirs), run_dirs)]
     out_dir = Path(out_dir) if out_dir is not None else run_dirs[0] / PLOTS_DIR
-    out_dir.mkdir(parents=True, exist_ok=True)
 
     with_data = [g for g in GROUPS if any(series(r.records, m)[0] for r in runs for m in g.metrics)]
     if not with_data:
         wanted = sorted({m for g in GROUPS for m in g.metrics})
-        raise ValueError(f"no run in {[str(d) for d in run_dirs]} logged any of {wanted}")
+        files = ", ".join(str(d / METRICS_FILE) for d in run_dirs)
+        raise MetricsFileError(f"{files}: no plotted metric logged (looked for {', '.join(wanted)})")
+    out_dir.mkdir(parents=True, exist_ok=True)
 
     written = []
     for group in with_data:

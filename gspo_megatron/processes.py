@@ -1,0 +1,141 @@
+"""Every process a command starts dies with it, even when the command is killed with SIGKILL.
+
+Linux tells a child that its parent died only when the child asked for it beforehand:
+``prctl(PR_SET_PDEATHSIG, SIGKILL)``. The request survives ``exec`` but not ``fork``, and it names the
+parent *thread*, so each kind of child sets it differently:
+
+* a command we exec (torchrun, an SGLang server): ``wrap_command`` runs it through this module, which sets
+  the signal, checks that the parent is still there, and execs the real command (same pid);
+* a fresh interpreter of ours (the reward workers): ``die_with_parent(parent_pid)`` first thing;
+* a ``fork`` of a training rank (Megatron's checkpoint writers in ``FileSystemWriterAsync.
+  write_preloaded_data_multiproc``): ``kill_forked_children_with_parent()`` sets it in every forked child
+  through ``os.register_at_fork``;
+* Megatron's results-queue manager (``filesystem_async._get_write_results_queue``, a *spawned* server
+  process holding sockets): ``own_checkpoint_results_queue()`` starts it with ``die_with_parent``.
+
+The command that relaunches itself under torchrun forwards SIGTERM / SIGINT / SIGHUP to torchrun
+(``run_forwarding_signals``), which stops its ranks; SIGKILL cannot be forwarded, so there the parent
+death signal of each level takes the tree down.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Sequence
+
+PR_SET_PDEATHSIG = 1
+# Set by the torchrun launcher for its ranks: they were started by our own command, so they die with it.
+# A rank started by the user's own torchrun or srun does not set a death signal (a closed terminal must
+# not kill a run the user detached on purpose).
+DIE_WITH_PARENT_ENV = "GSPO_DIE_WITH_PARENT"
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+# The parent at start-up (this module is imported first thing by the command line): a later
+# ``die_with_parent(STARTED_BY)`` tells whether the parent died before the death signal was set.
+STARTED_BY = os.getppid()
+_fork_hook_installed = False
+_forking_thread_is_main = True
+
+
+def pid_running(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (owned by anyone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when the thread that started it exits."""
+    if _libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(sig), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Set the death signal, then exit at once when ``parent_pid`` is no longer our parent (it died
+    before the signal was set: the kernel would never send it)."""
+    set_parent_death_signal()
+    if os.getppid() != parent_pid:
+        os._exit(128 + signal.SIGKILL)
+
+
+def _before_fork() -> None:
+    global _forking_thread_is_main
+    _forking_thread_is_main = threading.current_thread() is threading.main_thread()
+
+
+def _after_fork_in_child() -> None:
+    # The death signal follows the forking *thread*: a child forked from a short-lived helper thread
+    # would be killed when that thread ends, so only children of the main thread get it.
+    if _forking_thread_is_main:
+        set_parent_death_signal()
+
+
+def kill_forked_children_with_parent() -> None:
+    """Every later ``fork`` of this process (multiprocessing 'fork' children) dies with it. Idempotent."""
+    global _fork_hook_installed
+    if not _fork_hook_installed:
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+        _fork_hook_installed = True
+
+
+def own_checkpoint_results_queue() -> None:
+    """Create Megatron's checkpoint results queue ourselves, so its manager process (spawned, i.e. not
+    covered by the fork hook) dies with this rank instead of lingering with its sockets after a SIGKILL.
+
+    megatron-core 0.16.1 creates it lazily in ``filesystem_async._get_write_results_queue`` as
+    ``mp.get_context("spawn").Manager().Queue()`` and keeps it in the module global ``_results_queue``."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+
+
+def wrap_command(command: Sequence[str]) -> list[str]:
+    """``command`` run so that it dies with the calling process (the thread calling Popen)."""
+    return [sys.executable, "-m", "gspo_megatron.processes", str(os.getpid()), "--", *command]
+
+
+def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = None) -> int:
+    """Run ``command`` (dying with us), forward SIGTERM / SIGINT / SIGHUP to it, wait for it; the exit
+    status as a shell reports it (128 + signal when it was killed)."""
+    proc = subprocess.Popen(wrap_command(command), env=env)
+
+    def forward(signum, _frame):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def main(argv: list[str]) -> None:
+    """``python -m gspo_megatron.processes PARENT_PID -- COMMAND...``: die with PARENT_PID, exec COMMAND."""
+    if len(argv) < 3 or argv[1] != "--":
+        raise SystemExit("usage: python -m gspo_megatron.processes PARENT_PID -- COMMAND [ARGS...]")
+    die_with_parent(int(argv[0]))
+    os.execvp(argv[2], argv[2:])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,122 @@
+"""One run per run directory, and one process tree per run at a time.
+
+* A fresh ``train`` (no ``--resume``) refuses a run directory that already holds something: it would mix
+  the old run's checkpoints and metrics with the new run's. (We refuse rather than pick a new numbered
+  folder: the user named the folder, scripts read it, and a silent ``run_dir.1`` would hide the mistake.)
+* ``--resume`` continues the run the directory holds (its newest complete checkpoint); in a directory
+  without a checkpoint it starts that run from the beginning (so a requeued Slurm job can always pass
+  ``--resume``).
+* While a run uses the directory, ``RUN_DIR/.lock`` names its main process (pid, host). A second
+  ``train`` on the directory is refused naming the holder; a lock whose holder is gone (same host, pid
+  not running) is taken over with a warning.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from gspo_megatron.processes import pid_running
+
+LOCK_NAME = ".lock"
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used for this run; the message names the folder and what to do."""
+
+
+class RunDirLock:
+    """``RUN_DIR/.lock``: {"pid", "host", "since"} of the process that holds the run directory."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.held = False
+
+    def _write_exclusive(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}, f)
+        return True
+
+    def holder(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}  # removed meanwhile, or half written by a holder that died in between
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):  # a takeover races only with another takeover: one O_EXCL create wins
+            if self._write_exclusive():
+                self.held = True
+                return
+            holder = self.holder()
+            pid, host = holder.get("pid"), holder.get("host")
+            same_host = host == socket.gethostname()
+            if pid is not None and (not same_host or (pid != os.getpid() and pid_running(int(pid)))):
+                where = f"pid {pid} on {host}"
+                hint = ("" if same_host else f"; if that process is gone, delete {self.path}")
+                raise RunDirError(f"{self.path.parent}: in use by another run ({where}, lock file {self.path}){hint}")
+            print(f"warning: {self.path}: taking over the stale lock of pid {pid} on {host} (not running)",
+                  file=sys.stderr, flush=True)
+            self.path.unlink(missing_ok=True)
+        raise RunDirError(f"{self.path}: could not take the lock (another process keeps replacing it)")
+
+    def release(self) -> None:
+        if self.held and self.holder().get("pid") == os.getpid():
+            self.path.unlink(missing_ok=True)
+        self.held = False
+
+
+def check_fresh_start(run_dir: Path) -> None:
+    """A fresh run needs an empty (or missing) run directory; the lock file aside."""
+    if not run_dir.is_dir():
+        return
+    contents = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_NAME)
+    if contents:
+        shown = ", ".join(contents[:5]) + (f" (+{len(contents) - 5} more)" if len(contents) > 5 else "")
+        raise RunDirError(f"{run_dir}: holds an earlier run ({shown}); pass --resume to continue it, or choose "
+                          f"another --run-dir (or delete that folder)")
+
+
+def claim(run_dir: Path, resume: bool) -> RunDirLock:
+    """Lock ``run_dir`` for this run and check that a fresh start does not reuse an earlier run's folder."""
+    lock = RunDirLock(run_dir)
+    lock.acquire()
+    if not resume:
+        try:
+            check_fresh_start(run_dir)
+        except RunDirError:
+            lock.release()
+            raise
+    return lock
+
+
+def on_main_rank(fn, is_main: bool):
+    """Run ``fn`` on the main rank only and raise its ``ValueError`` on every rank (the other ranks would
+    otherwise wait forever in the next collective). Returns fn's result on the main rank, else None."""
+    import torch.distributed as dist
+
+    result, error = None, None
+    if is_main:
+        try:
+            result = fn()
+        except ValueError as err:  # a bad-input error: every rank reports it
+            error = err
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None and error is None:
+            raise RunDirError(box[0].split(": ", 1)[1])
+    if error is not None:
+        raise error
+    return result
+
+
+__all__ = ["LOCK_NAME", "RunDirError", "RunDirLock", "check_fresh_start", "claim", "on_main_rank"]

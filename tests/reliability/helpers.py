@@ -1,0 +1,74 @@
+"""Shared by the reliability tests: tiny training commands and finding every process of a tree."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "examples" / "cpu_demo.yaml"
+TAG_ENV = "GSPO_RELIABILITY_TAG"
+# the smallest run that still rolls out, updates, evaluates and checkpoints
+TINY = ["logging.console=false", "logging.tensorboard=false", "train.prompts_per_step=2", "eval.num_prompts=2",
+        "eval.pass_k=1", "rollout.max_new_tokens=4", "train.minibatches_per_step=2", "sft.batch_size=4"]
+
+
+def tagged_env() -> tuple[dict[str, str], str]:
+    """An environment whose processes (and all their children) can be found again: a unique tag."""
+    tag = uuid.uuid4().hex
+    return {**os.environ, "OMP_NUM_THREADS": "1", TAG_ENV: tag}, tag
+
+
+def train_command(run_dir: Path, *overrides: str, nproc: int = 1, resume: bool = False) -> list[str]:
+    cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(DEMO), "--run-dir", str(run_dir),
+           *TINY, *overrides]
+    return cmd + (["--nproc", str(nproc)] if nproc > 1 else []) + (["--resume"] if resume else [])
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Processes whose environment holds ``TAG_ENV=tag`` (zombies have no readable environment)."""
+    needle = f"{TAG_ENV}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+def describe(pids: list[int]) -> str:
+    lines = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            cmd = "?"
+        lines.append(f"{pid}: {cmd[:160]}")
+    return "\n".join(lines)
+
+
+def wait_until_gone(tag: str, timeout_s: float) -> list[int]:
+    """Poll until no tagged process remains; returns the leftovers at the deadline (empty: all gone)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = tagged_pids(tag)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def kill_tagged(tag: str) -> None:
+    """Clean-up after a failed assertion: nothing a test starts may outlive it."""
+    for pid in tagged_pids(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,75 @@
+"""Conversion never eats its input, cleans up after killed runs, converts training checkpoints, and exits
+with distinct codes (gspo_megatron/conversion)."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from gspo_megatron.conversion import cli
+from gspo_megatron.conversion.offline import remove_stale_staging
+from tests.conversion.hf_models import make_hf_dir
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("safety")
+    hf = make_hf_dir("qwen3_moe", root / "models" / "hf")
+    assert cli.main(["hf-to-megatron", "--hf-dir", str(hf), "--out", str(root / "models" / "meg"), "--no-progress"]) == 0
+    return root, hf, root / "models" / "meg"
+
+
+@pytest.mark.parametrize("direction", ["hf-to-megatron", "megatron-to-hf"])
+def test_overwrite_never_deletes_an_input(converted, capsys, direction):
+    root, hf, meg = converted
+    source = ["--hf-dir", str(hf)] if direction == "hf-to-megatron" else ["--megatron-dir", str(meg)]
+    before = sorted(p.name for p in (root / "models").rglob("*"))
+    for out, why in ((root / "models", "contains the input"), (meg / "sub" if direction == "megatron-to-hf" else hf / "sub",
+                                                              "is inside the input")):
+        assert cli.main([direction, *source, "--out", str(out), "--overwrite", "--no-progress"]) == 2
+        assert why in capsys.readouterr().err
+    assert sorted(p.name for p in (root / "models").rglob("*")) == before
+
+
+def test_staging_folder_of_a_killed_conversion_is_removed(converted, tmp_path):
+    _, hf, _ = converted
+    out = tmp_path / "meg"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".meg.incomplete-{socket.gethostname()}-{dead.pid}-abcd1234"
+    live = tmp_path / f".meg.incomplete-{socket.gethostname()}-{os.getpid()}-abcd1234"  # a running conversion's
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "__0_0.distcp").write_bytes(b"x" * 100)
+    assert cli.main(["hf-to-megatron", "--hf-dir", str(hf), "--out", str(out), "--no-progress"]) == 0
+    assert not stale.exists() and live.exists()
+    assert remove_stale_staging(out) == []
+
+
+def test_a_killed_conversion_leaves_a_staging_folder_the_next_run_removes(converted, tmp_path):
+    _, hf, _ = converted
+    out = tmp_path / "meg"
+    proc = subprocess.Popen([sys.executable, "-m", "gspo_megatron.cli", "convert", "hf-to-megatron", "--hf-dir", str(hf),
+                             "--out", str(out), "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not list(tmp_path.glob(".meg.incomplete-*")):
+        assert proc.poll() is None, "the conversion ended before its staging folder appeared"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(list(tmp_path.glob(".meg.incomplete-*"))) == 1
+    assert cli.main(["hf-to-megatron", "--hf-dir", str(hf), "--out", str(out), "--no-progress"]) == 0
+    assert list(tmp_path.glob(".meg.incomplete-*")) == []
+
+
+def test_check_failure_and_crash_have_distinct_exit_codes(converted, tmp_path, capsys):
+    _, hf, meg = converted
+    other = make_hf_dir("qwen3_moe", tmp_path / "other", seed=1)
+    assert cli.main(["check", "--hf-dir", str(other), "--megatron-dir", str(meg)]) == 3
+    capsys.readouterr()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{")  # JSONDecodeError: not one of our errors -> a crash
+    code = cli.main(["check", "--hf-dir", str(tmp_path / "broken"), "--megatron-dir", str(meg)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith("gspo-megatron convert: error: JSONDecodeError"), err
+    assert "traceback: " in err[0] and "--debug prints it" in err[0]

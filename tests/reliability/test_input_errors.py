@@ -1,0 +1,101 @@
+"""Bad input names its cause: data rows, YAML, parallel layouts, resume across layouts, plot, eval, --nproc."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gspo_megatron.data.config import DataConfig
+from gspo_megatron.data.dataset import load_prompt_datasets
+from gspo_megatron.data.readers import DatasetError
+from gspo_megatron.data.tokenizer import load_demo_tokenizer
+from gspo_megatron.trainer.config import check_resumable, load_config
+from gspo_megatron.trainer.evaluate import check_out_path
+from gspo_megatron.trainer.metrics_log import MetricsFileError
+from gspo_megatron.trainer.plot import plot_runs
+from gspo_megatron.typed_config import ConfigError, build, to_dict
+from tests.reliability.helpers import DEMO, REPO
+
+GOOD = json.dumps({"prompt": "sort 3 1 2", "answer": "1 2 3"}) + "\n"
+
+
+def _cfg(path, **kw) -> DataConfig:
+    return build(DataConfig, {"train_files": [str(path)], "use_chat_template": False, **kw}, "data")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_demo_tokenizer()
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (b"{not json\n", "invalid JSON"),
+    (b"[1, 2]\n", "expected a JSON object, got list"),
+    (b'{"prompt": "caf\xe9", "answer": "1"}\n', "not UTF-8 (byte 0xe9 at column 16)"),
+])
+def test_bad_lines_name_file_and_line_and_are_skipped_on_request(tmp_path, tok, bad, reason):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(GOOD.encode() + bad + GOOD.encode())
+    with pytest.raises(DatasetError, match=rf"d.jsonl:2: {re.escape(reason)}"):
+        load_prompt_datasets(_cfg(path), tok)
+    train, _ = load_prompt_datasets(_cfg(path, on_invalid_row="skip"), tok)
+    assert len(train) == 2 and [r.startswith(reason) for r in train.skipped] == [True]
+
+
+def test_a_file_that_is_not_parquet_is_named(tmp_path, tok):
+    path = tmp_path / "d.parquet"
+    path.write_text("not parquet at all")
+    with pytest.raises(DatasetError, match=r"d.parquet: not a readable Parquet file"):
+        load_prompt_datasets(_cfg(path), tok)
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("data:\n  train_files: [a.jsonl\nmodel: {}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:3: YAML syntax error"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("parallel.expert_parallel=3", r"parallel.expert_parallel: 3 does not divide model.config.num_experts=4"),
+    ("parallel.tensor_parallel=3", r"parallel.tensor_parallel: 3 does not divide model.config.num_attention_heads=4"),
+    ("parallel.pipeline_parallel=4", r"parallel.pipeline_parallel: 4 does not divide model.config.num_layers=2"),
+])
+def test_layout_is_checked_against_the_model_at_config_time(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEMO, [override])
+
+
+def test_resume_at_another_ep_size_or_model_says_what_to_do(tmp_path):
+    saved = to_dict(load_config(DEMO, ["parallel.expert_parallel=2"]))
+    with pytest.raises(ConfigError, match=r"saved at parallel.expert_parallel=2, this run asks for 1.*"
+                                          r"convert megatron-to-hf .*model.hf_dir=HF_DIR"):
+        check_resumable(saved, to_dict(load_config(DEMO)), tmp_path)
+    with pytest.raises(ConfigError, match=r"another model \(model.config.hidden_size differ\)"):
+        check_resumable(saved, to_dict(load_config(DEMO, ["model.config.hidden_size=32",
+                                                           "parallel.expert_parallel=2"])), tmp_path)
+    check_resumable(saved, to_dict(load_config(DEMO, ["parallel.expert_parallel=2", "train.steps=99"])), tmp_path)
+
+
+def test_plot_of_an_empty_metrics_file_names_it(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(MetricsFileError, match=r"metrics.jsonl: empty"):
+        plot_runs([tmp_path])
+    assert not (tmp_path / "plots").exists()
+
+
+def test_eval_out_is_checked_before_evaluating(tmp_path):
+    with pytest.raises(ConfigError, match=r"--out .*: is a folder"):
+        check_out_path(tmp_path)
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        check_out_path(tmp_path / "missing" / "eval.json")
+    check_out_path(tmp_path / "eval.json")
+
+
+@pytest.mark.parametrize("nproc", ["0", "-2"])
+def test_nproc_below_one_is_refused(nproc):
+    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(DEMO), "--nproc", nproc],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2 and f"--nproc: must be >= 1, got {int(nproc)}" in proc.stderr

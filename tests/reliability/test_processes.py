@@ -1,0 +1,83 @@
+"""Every child dies with its parent, even on SIGKILL (gspo_megatron/processes.py)."""
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from tests.reliability.helpers import REPO, describe, kill_tagged, tagged_env, wait_until_gone
+
+
+def _run_parent(code: str, ready_lines: int = 1):
+    """Start ``python -c code`` in a tagged environment; wait for its ``ready_lines`` lines of output."""
+    env, tag = tagged_env()
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, text=True)
+    lines = [proc.stdout.readline() for _ in range(ready_lines)]
+    assert all(lines), f"parent ended early (rc {proc.wait()})"
+    return proc, tag, lines
+
+
+def _sigkill_and_check(proc, tag, timeout_s=5.0):
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = wait_until_gone(tag, timeout_s)
+    kill_tagged(tag)
+    assert not left, "outlived their SIGKILLed parent:\n" + describe(left)
+
+
+def test_wrapped_command_dies_with_parent_on_sigkill():
+    proc, tag, _ = _run_parent("""
+        import subprocess, sys
+        from gspo_megatron.processes import wrap_command
+        child = subprocess.Popen(wrap_command(["sleep", "60"]))
+        print(child.pid, flush=True)
+        child.wait()
+    """)
+    _sigkill_and_check(proc, tag)
+
+
+def test_forked_children_die_with_parent():
+    # what Megatron's checkpoint writer does: multiprocessing 'fork' children of a rank
+    proc, tag, _ = _run_parent("""
+        import multiprocessing as mp, time
+        from gspo_megatron.processes import kill_forked_children_with_parent
+        kill_forked_children_with_parent()
+        child = mp.get_context("fork").Process(target=time.sleep, args=(60,))
+        child.start()
+        print(child.pid, flush=True)
+        child.join()
+    """)
+    _sigkill_and_check(proc, tag)
+
+
+def test_checkpoint_results_queue_manager_dies_with_rank():
+    # Megatron's spawned results-queue manager (filesystem_async._results_queue) kept sockets open forever
+    proc, tag, _ = _run_parent("""
+        import time
+        from gspo_megatron.processes import own_checkpoint_results_queue
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+        own_checkpoint_results_queue()
+        assert filesystem_async._get_write_results_queue() is filesystem_async._results_queue
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    _sigkill_and_check(proc, tag)
+
+
+def test_forwarding_launcher_passes_sigterm_and_reports_it():
+    proc, tag, lines = _run_parent("""
+        import sys
+        from gspo_megatron.processes import run_forwarding_signals
+        print("ready", flush=True)
+        code = run_forwarding_signals([sys.executable, "-c",
+            "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(7)); print('child', flush=True); time.sleep(60)"])
+        print("exit", code, flush=True)
+    """, ready_lines=2)
+    assert lines[1].strip() == "child"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=10)
+    assert out.strip() == "exit 7"  # the child got SIGTERM (its handler exited 7), the launcher outlived it
+    left = wait_until_gone(tag, 5)
+    kill_tagged(tag)
+    assert not left, describe(left)
