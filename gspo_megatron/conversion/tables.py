@@ -102,6 +102,9 @@ def validate_layout(config: ModelConfig, tensor_parallel: int = 1, pipeline_para
     if config.is_moe:
         checks += [("ep", expert_parallel, "num_experts", config.num_experts),
                    ("tp", tensor_parallel, "moe_ffn_hidden_size", config.moe_ffn_hidden_size)]
+        if config.moe_shared_expert_intermediate_size:
+            checks.append(("tp", tensor_parallel, "moe_shared_expert_intermediate_size",
+                           config.moe_shared_expert_intermediate_size))
     else:
         checks.append(("tp", tensor_parallel, "ffn_hidden_size", config.ffn_hidden_size))
         if expert_parallel != 1:

@@ -37,6 +37,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtyp
             moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
             moe_grouped_gemm=on_gpu,
             moe_router_dtype="fp32",
+            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or None,
+            moe_shared_expert_gate=model.moe_shared_expert_gate,
         )
     return TransformerConfig(
         num_layers=model.num_layers,

@@ -39,6 +39,8 @@ class ModelConfig:
     moe_ffn_hidden_size: int = 64
     moe_router_topk: int = 2
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
+    moe_shared_expert_intermediate_size: int = 0  # width of the shared expert beside the routed ones (0: none)
+    moe_shared_expert_gate: bool = False  # shared expert output scaled by sigmoid(gate . x) (Qwen2-MoE)
     moe_aux_loss_coeff: float = 0.0  # load-balancing loss; off by default for RL
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
@@ -63,6 +65,10 @@ class ModelConfig:
             check(1 <= self.moe_router_topk <= self.num_experts, f"{path}.moe_router_topk",
                   f"must be in [1, num_experts={self.num_experts}], got {self.moe_router_topk}")
             check(self.moe_ffn_hidden_size >= 1, f"{path}.moe_ffn_hidden_size", "must be >= 1")
+            check(self.moe_shared_expert_intermediate_size >= 0, f"{path}.moe_shared_expert_intermediate_size",
+                  f"must be >= 0, got {self.moe_shared_expert_intermediate_size}")
+            check(not self.moe_shared_expert_gate or self.moe_shared_expert_intermediate_size > 0,
+                  f"{path}.moe_shared_expert_gate", "needs a shared expert (moe_shared_expert_intermediate_size > 0)")
         else:
             check(self.ffn_hidden_size >= 1, f"{path}.ffn_hidden_size", "must be >= 1 for a dense model")
         check(self.rms_norm_eps > 0, f"{path}.rms_norm_eps", "must be > 0")
@@ -94,6 +100,7 @@ class ModelConfig:
             attn += 2 * d
         if self.is_moe:
             mlp = self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
+            mlp += 3 * h * self.moe_shared_expert_intermediate_size + (h if self.moe_shared_expert_gate else 0)
         else:
             mlp = 3 * h * self.ffn_hidden_size
         per_layer = attn + mlp + 2 * h

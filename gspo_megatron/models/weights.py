@@ -56,3 +56,16 @@ def routed_experts(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...
         Rule(E + "linear_fc1.weight", (x + gate + ".weight", x + up + ".weight"), "gate_up"),
         Rule(E + "linear_fc2.weight", (x + down + ".weight",)),
     )
+
+
+def shared_expert(block: str, gate: str | None = None) -> tuple[Rule, ...]:
+    """A shared expert (an MLP every token goes through beside the routed experts), checkpointed as
+    ``{block}.{gate,up,down}_proj``, and with ``gate`` the name of its [1, hidden] sigmoid gate."""
+    rows = (
+        Rule(L + "mlp.shared_experts.linear_fc1.weight",
+             (H + block + ".gate_proj.weight", H + block + ".up_proj.weight"), "gate_up"),
+        Rule(L + "mlp.shared_experts.linear_fc2.weight", (H + block + ".down_proj.weight",)),
+    )
+    if gate is not None:
+        rows += (Rule(L + "mlp.shared_experts.gate_weight", (H + gate + ".weight",)),)
+    return rows

@@ -45,6 +45,12 @@ def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 q = f"{p}mlp.experts.local_experts.{e}."
                 shapes[q + "linear_fc1.weight"] = (2 * config.moe_ffn_hidden_size, h)
                 shapes[q + "linear_fc2.weight"] = (h, config.moe_ffn_hidden_size)
+            shared = config.moe_shared_expert_intermediate_size
+            if shared:
+                shapes[p + "mlp.shared_experts.linear_fc1.weight"] = (2 * shared, h)
+                shapes[p + "mlp.shared_experts.linear_fc2.weight"] = (h, shared)
+            if config.moe_shared_expert_gate:
+                shapes[p + "mlp.shared_experts.gate_weight"] = (1, h)
         else:
             shapes[p + "mlp.linear_fc1.weight"] = (2 * config.ffn_hidden_size, h)
             shapes[p + "mlp.linear_fc2.weight"] = (h, config.ffn_hidden_size)

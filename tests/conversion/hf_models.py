@@ -21,6 +21,12 @@ FAMILIES = {
     "llama_tied": dict(architecture="llama", num_experts=0, ffn_hidden_size=96, qk_layernorm=False,
                        tie_word_embeddings=True),
     "mixtral": dict(architecture="mixtral", qk_layernorm=False, moe_ffn_hidden_size=48),
+    # odd shapes (still dividing TP=2 / EP=2): head_dim 10 with hidden 72, 6 experts top-3 without
+    # renormalisation, a shared expert 40 wide with its sigmoid gate
+    "qwen2_moe": dict(architecture="qwen2_moe", qkv_bias=True, qk_layernorm=False, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=10, hidden_size=72, num_experts=6, moe_router_topk=3,
+                      norm_topk_prob=False, moe_ffn_hidden_size=20, moe_shared_expert_intermediate_size=40,
+                      moe_shared_expert_gate=True),
 }
 
 TOKENIZER_FILES = {"tokenizer.json": '{"version": "1.0", "model": {"type": "test"}}\n',

@@ -192,3 +192,10 @@ def test_start_writeback_accepts_read_only_descriptors(tmp_path):
         start_writeback(fd)
     finally:
         os.close(fd)
+
+
+def test_shared_expert_width_must_divide_by_tp():
+    qwen2_moe = family_config("qwen2_moe")
+    validate_layout(qwen2_moe, tensor_parallel=2, expert_parallel=2)
+    with pytest.raises(ConversionError, match="--tp 2 does not divide the model: moe_shared_expert_intermediate_size=41"):
+        validate_layout(dataclasses.replace(qwen2_moe, moe_shared_expert_intermediate_size=41), tensor_parallel=2)

@@ -15,7 +15,7 @@ def hf_dict(family: str, **overrides) -> dict:
     return d
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3", "qwen2", "llama", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3", "qwen2", "llama", "mixtral", "qwen2_moe"])
 def test_round_trip_through_hf_config(model_type):
     cfg = ModelConfig.from_hf_dict(hf_dict(model_type, num_hidden_layers=3, vocab_size=1000))
     assert cfg.architecture == model_type and cfg.num_layers == 3 and cfg.vocab_size == 1000
@@ -33,6 +33,31 @@ def test_qwen3_moe_fields():
     assert cfg.qk_layernorm and not cfg.qkv_bias and cfg.norm_topk_prob
     assert ModelConfig.from_hf_dict(hf_dict("qwen2")).qkv_bias
     assert ModelConfig.from_hf_dict(hf_dict("mixtral")).norm_topk_prob
+
+
+def test_qwen2_moe_fields():
+    cfg = ModelConfig.from_hf_dict(hf_dict("qwen2_moe", num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                                           shared_expert_intermediate_size=5632, hidden_size=2048,
+                                           num_attention_heads=16))
+    assert (cfg.num_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.head_dim) == (60, 4, 1408, 128)
+    assert (cfg.moe_shared_expert_intermediate_size, cfg.moe_shared_expert_gate) == (5632, True)
+    assert cfg.qkv_bias and not cfg.qk_layernorm and not cfg.norm_topk_prob
+    # the shared expert (3 matrices) and its [1, hidden] gate count in the parameter total
+    no_shared = ModelConfig(**{**vars(cfg), "moe_shared_expert_intermediate_size": 0, "moe_shared_expert_gate": False})
+    assert cfg.num_parameters() - no_shared.num_parameters() == cfg.num_layers * (3 * 2048 * 5632 + 2048)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"mlp_only_layers": [1]}, "mlp_only_layers: unsupported value [1] for qwen2_moe"),
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step: unsupported value 2"),
+    ({"qkv_bias": False}, "qkv_bias: unsupported value False"),
+    ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size: must be >= 1"),
+    ({"moe_intermediate_size": None}, "moe_intermediate_size: required field is missing for qwen2_moe"),
+])
+def test_qwen2_moe_errors_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig.from_hf_dict(hf_dict("qwen2_moe", **overrides), source="ckpt/config.json")
+    assert str(err.value).startswith("ckpt/config.json") and message in str(err.value)
 
 
 @pytest.mark.parametrize("overrides, message", [

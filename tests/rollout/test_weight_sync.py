@@ -11,6 +11,7 @@ import torch
 from gspo_megatron.megatron.parallel import ParallelConfig
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.models import tiny_moe_config
+from tests.conversion.hf_models import family_config
 
 from tests.rollout.weight_sync_workers import SMALL_BUCKET_BYTES, SyncCase, sync_cases
 
@@ -29,6 +30,9 @@ CASES = [
     SyncCase("llama_tied_pp2", tiny_moe_config(architecture="llama", num_experts=0, ffn_hidden_size=48,
                                                qk_layernorm=False, tie_word_embeddings=True),
              ParallelConfig(pipeline_parallel=2), DEFAULT_BUCKET_BYTES),
+    # Qwen2-MoE: q/k/v biases, top-3 of 6 experts without renormalisation, a shared expert with its gate
+    SyncCase("qwen2_moe_ep2", family_config("qwen2_moe"), ParallelConfig(expert_parallel=2), DEFAULT_BUCKET_BYTES),
+    SyncCase("qwen2_moe_tp2", family_config("qwen2_moe"), ParallelConfig(tensor_parallel=2), DEFAULT_BUCKET_BYTES),
 ]
 NAMES = [c.name for c in CASES]
 

@@ -10,14 +10,20 @@ from gspo_megatron.testing.distributed import run_distributed
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
 
 
-def replayed_step(rank, world_size, run_dir: str, mode: str) -> dict:
+# Qwen2-MoE on the demo's shape: q/k/v biases, top-3 of 6 experts without renormalisation, a gated shared expert
+QWEN2_MOE = ("model.config.architecture=qwen2_moe", "model.config.qkv_bias=true", "model.config.qk_layernorm=false",
+             "model.config.num_experts=6", "model.config.moe_router_topk=3", "model.config.norm_topk_prob=false",
+             "model.config.moe_shared_expert_intermediate_size=48", "model.config.moe_shared_expert_gate=true")
+
+
+def replayed_step(rank, world_size, run_dir: str, mode: str, model: tuple[str, ...] = ()) -> dict:
     from gspo_megatron.megatron.routing import RoutingRecorder
     from gspo_megatron.trainer.config import load_config
     from gspo_megatron.trainer.loop import Trainer
 
     overrides = ["sft.steps=0", "train.steps=1", "logging.console=false", "logging.tensorboard=false",
                  "train.prompts_per_step=4", f"train.routing_replay={mode}", "optimizer.lr=0.05",
-                 "loss.entropy_coef=0.5"]  # rewards are 0 before the warm start: the entropy term moves the weights
+                 "loss.entropy_coef=0.5", *model]  # rewards are 0 before the warm start: the entropy term moves the weights
     if world_size == 2:
         overrides.append("parallel.expert_parallel=2")
     trainer = Trainer(load_config(DEMO, overrides), run_dir)
@@ -60,9 +66,10 @@ def replayed_step(rank, world_size, run_dir: str, mode: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, ranks", [("r3", 2), ("r2", 1)])
-def test_update_forwards_replay_the_recorded_experts(tmp_path, mode, ranks):
-    outs = run_distributed(replayed_step, ranks, (str(tmp_path), mode))
+@pytest.mark.parametrize("mode, ranks, model", [("r3", 2, ()), ("r2", 1, ()), ("r3", 2, QWEN2_MOE)],
+                         ids=["r3", "r2", "r3-qwen2_moe"])
+def test_update_forwards_replay_the_recorded_experts(tmp_path, mode, ranks, model):
+    outs = run_distributed(replayed_step, ranks, (str(tmp_path), mode, model))
     # each DP rank generates its share of the prompts; the update shares are cut from the gathered batch
     engine = {tuple(r.flatten().tolist()) for out in outs for r in out["engine_rows"]}
     for out in outs:
