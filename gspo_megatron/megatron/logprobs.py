@@ -8,7 +8,8 @@ Each TP rank holds logits for a contiguous slice of the vocabulary, [N, V/TP]. F
 m is all-reduced with MAX, the sums with SUM, and z_y comes from the rank that owns y (all-reduced SUM
 of a masked pick). The work is chunked over tokens so that, besides the logits themselves and the
 gradient buffer autograd must return, the extra memory is one chunk of [chunk, V/TP] temporaries.
-Vocabulary rows beyond the true vocabulary (padding to a multiple of TP) are excluded from the softmax.
+Vocabulary rows beyond the true vocabulary (Megatron's padding to a multiple of the divisor x TP,
+``ModelConfig.padded_vocab_size``; on the last TP rank(s)) are excluded from the softmax.
 
 Sampling temperature T: every quantity is of softmax(x / T) for raw logits x, i.e. z = x / T above (the
 distribution the rollout engines sample from and report). The scaling is applied chunk by chunk, so no

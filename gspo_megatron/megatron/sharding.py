@@ -10,7 +10,8 @@ layout algebra, written once:
   half, each rank holding [gate_r; up_r].
 * EP: ``local_experts.e`` on EP rank r is global expert ``r * num_local_experts + e``.
 * PP: ``decoder.layers.i`` on a stage is global layer ``layer_number - 1`` of that module.
-* Vocabulary: embedding and output rows are padded to a multiple of TP; canonical tensors are not.
+* Vocabulary: embedding and output rows are padded (``ModelConfig.padded_vocab_size``, zero rows on the
+  last TP rank(s)); canonical tensors are not.
 """
 from __future__ import annotations
 
