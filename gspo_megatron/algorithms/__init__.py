@@ -23,7 +23,7 @@ from gspo_megatron.algorithms.losses import (
     kl_penalty,
 )
 from gspo_megatron.algorithms.metrics import METRICS, finalize_metrics, merge_metrics
-from gspo_megatron.algorithms.policy import policy_loss
+from gspo_megatron.algorithms.policy import POLICY_LOSSES, PolicyLoss, policy_loss
 from gspo_megatron.algorithms.sequences import (
     LOG_RATIO_LIMIT,
     TOKEN_LOG_RATIO_LIMIT,
@@ -41,6 +41,8 @@ __all__ = [
     "LossNormalisers",
     "METRICS",
     "PAPER_CLIP",
+    "POLICY_LOSSES",
+    "PolicyLoss",
     "Segments",
     "SequenceContext",
     "SequenceSums",

@@ -11,14 +11,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gspo_megatron.algorithms.advantages import AdvantageEstimator
+from gspo_megatron.algorithms.kl import KLEstimator
 from gspo_megatron.typed_config import check
 
 Algorithm = Literal["gspo", "gspo_token", "grpo"]
 Aggregation = Literal["seq_mean_token_mean", "token_mean", "token_sum"]
-KLEstimator = Literal["k1", "k2", "k3"]
 TISMode = Literal["none", "sequence", "token"]
 
-# (clip_low, clip_high) from the paper: GSPO section 5.1; GRPO baseline with "clip-higher".
+# (clip_low, clip_high) from the paper: GSPO section 5.1; GRPO baseline with "clip-higher". The only copy:
+# the losses take them from a LossConfig, never from defaults of their own.
 PAPER_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
 
 

@@ -2,19 +2,22 @@
 
 Every loss is *minimised* (the negative of the paper's objective J), returns ``(loss, raw_metrics)``
 (see ``metrics.py``) and divides by the global ``LossNormalisers`` of the whole mini-batch, so the
-losses of its micro-batches (and data-parallel ranks) add up to the mini-batch loss.
+losses of its micro-batches (and data-parallel ranks) add up to the mini-batch loss. The three policy
+losses share one signature, ``(batch, normalisers, config, context)``, and read their clip range and
+TIS settings from the ``LossConfig`` (which holds the paper's values); ``policy.POLICY_LOSSES`` maps an
+algorithm name to its loss.
 
 Shapes: N tokens of S sequences in the flat layout of ``layout.TokenBatch``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-from gspo_megatron.algorithms.kl import kl_values_and_derivative
+from gspo_megatron.algorithms.config import Aggregation, LossConfig, TISMode
+from gspo_megatron.algorithms.kl import KLEstimator, kl_values_and_derivative
 from gspo_megatron.algorithms.layout import (
     LossNormalisers,
     Segments,
@@ -33,8 +36,6 @@ from gspo_megatron.algorithms.sequences import (
     token_tis_weights,
 )
 
-Aggregation = Literal["seq_mean_token_mean", "token_mean", "token_sum"]
-TISMode = Literal["none", "sequence", "token"]
 Metrics = dict[str, Tensor]
 
 
@@ -77,8 +78,8 @@ def gspo_loss_from_sums(
     advantages: Tensor,
     normalisers: LossNormalisers,
     *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
+    clip_low: float,
+    clip_high: float,
     share: Tensor | None = None,
     seq_weights: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
@@ -113,40 +114,33 @@ def gspo_loss_from_sums(
 
 
 def gspo_loss(
-    batch: TokenBatch,
-    normalisers: LossNormalisers,
-    *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    tis_mode: TISMode = "none",
-    tis_cap: float = 2.0,
-    context: SequenceContext | None = None,
+    batch: TokenBatch, normalisers: LossNormalisers, config: LossConfig, context: SequenceContext | None = None
 ) -> tuple[Tensor, Metrics]:
     """GSPO (Eq. 5, 7) on a micro-batch: steps (a) and (b) with the CP seam of ``context`` between them.
 
-    Needs one advantage per sequence (``batch.advantages``); ``tis_mode`` may be none or sequence.
+    Needs one advantage per sequence (``batch.advantages``); ``config.tis_mode`` may be none or sequence.
     """
+    _check_sequence_mean("gspo", config)
     if batch.advantages is None:
         raise ValueError("gspo: needs one advantage per sequence (TokenBatch.advantages); per-token advantages need gspo_token")
-    if tis_mode == "token":
+    if config.tis_mode == "token":
         raise ValueError("gspo: tis_mode=token needs per-token loss terms; use tis_mode=sequence or gspo_token")
     ctx = sequence_context(batch) if context is None else context
-    seq_weights, tis_metrics = _tis(batch, ctx, tis_mode, tis_cap)
+    seq_weights, tis_metrics = _tis(batch, ctx, config.tis_mode, config.tis_cap)
     loss, metrics = gspo_loss_from_sums(
-        ctx.total, batch.advantages, normalisers, clip_low=clip_low, clip_high=clip_high, share=ctx.share(), seq_weights=seq_weights
+        ctx.total,
+        batch.advantages,
+        normalisers,
+        clip_low=config.clip_low,
+        clip_high=config.clip_high,
+        share=ctx.share(),
+        seq_weights=seq_weights,
     )
     return loss, {**metrics, **tis_metrics, **policy_metrics(batch, ctx)}
 
 
 def gspo_token_loss(
-    batch: TokenBatch,
-    normalisers: LossNormalisers,
-    *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    tis_mode: TISMode = "none",
-    tis_cap: float = 2.0,
-    context: SequenceContext | None = None,
+    batch: TokenBatch, normalisers: LossNormalisers, config: LossConfig, context: SequenceContext | None = None
 ) -> tuple[Tensor, Metrics]:
     """GSPO-token (Eq. 13-17): per-token advantages with the sequence ratio.
 
@@ -157,43 +151,35 @@ def gspo_token_loss(
     clipping and gradient equal GSPO's (Eq. 15-17). Where the mean log-ratio of a sequence lies outside
     the exponent clamp, GSPO's gradient through the clamp is 0; the token form is gated the same way.
     """
+    _check_sequence_mean("gspo_token", config)
     ctx = sequence_context(batch, differentiable=False) if context is None else context
     with torch.no_grad():
         mean = ctx.total.log_ratio / ctx.total.tokens.clamp(min=1.0)
         ratio = _TokenRatio(seq_ratio=torch.exp(ctx.total.mean_log_ratio()), seq_stopped=~(mean.abs() <= LOG_RATIO_LIMIT))
-    return _token_level_loss(batch, ctx, normalisers, ratio, clip_low, clip_high, "seq_mean_token_mean", 0, tis_mode, tis_cap)
+    return _token_level_loss(batch, ctx, normalisers, ratio, config, "seq_mean_token_mean", 0)
 
 
 def grpo_loss(
-    batch: TokenBatch,
-    normalisers: LossNormalisers,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.27,
-    aggregation: Aggregation = "seq_mean_token_mean",
-    constant_length_tokens: int = 0,
-    tis_mode: TISMode = "none",
-    tis_cap: float = 2.0,
-    context: SequenceContext | None = None,
+    batch: TokenBatch, normalisers: LossNormalisers, config: LossConfig, context: SequenceContext | None = None
 ) -> tuple[Tensor, Metrics]:
     """GRPO with clip-higher: one clipped term per token with its own ratio (Eq. 2; gradient Eq. 11-12).
 
         w_t  = pi_theta(y_t) / pi_old(y_t) = exp(clamp(log-ratio_t, -20, 20))
         loss = -aggregate_t min(w_t A_t, clip(w_t, 1-eps_low, 1+eps_high) A_t)
+
+    aggregated by ``config.aggregation`` (and ``config.constant_length_tokens`` for token_sum).
     """
     ctx = sequence_context(batch, differentiable=False) if context is None else context
     ratio = _TokenRatio(token_log_ratio=ctx.token_log_ratio.detach())
-    return _token_level_loss(
-        batch, ctx, normalisers, ratio, clip_low, clip_high, aggregation, constant_length_tokens, tis_mode, tis_cap
-    )
+    return _token_level_loss(batch, ctx, normalisers, ratio, config, config.aggregation, config.constant_length_tokens)
 
 
 def kl_penalty(
     batch: TokenBatch,
     normalisers: LossNormalisers,
     *,
-    estimator: Literal["k1", "k2", "k3"] = "k3",
-    aggregation: Aggregation = "seq_mean_token_mean",
+    estimator: KLEstimator,
+    aggregation: Aggregation,
     constant_length_tokens: int = 0,
     seq_tokens: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
@@ -226,7 +212,7 @@ def entropy_bonus(
     batch: TokenBatch,
     normalisers: LossNormalisers,
     *,
-    aggregation: Aggregation = "seq_mean_token_mean",
+    aggregation: Aggregation,
     constant_length_tokens: int = 0,
     seq_tokens: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
@@ -487,19 +473,18 @@ def _token_level_loss(
     ctx: SequenceContext,
     normalisers: LossNormalisers,
     ratio: _TokenRatio,
-    clip_low: float,
-    clip_high: float,
+    config: LossConfig,
     aggregation: Aggregation,
     constant_length_tokens: int,
-    tis_mode: TISMode,
-    tis_cap: float,
 ) -> tuple[Tensor, Metrics]:
     """Shared tail of GSPO-token and GRPO: the fused clipped objective, TIS, metrics."""
+    tis_mode, tis_cap = config.tis_mode, config.tis_cap
     seq_weights, tis_metrics = _tis(batch, ctx, tis_mode, tis_cap)
     if tis_mode == "token":
         tis_metrics = _token_tis_metrics(batch, tis_cap)
     scale = token_scale(aggregation, ctx.total.tokens, normalisers, constant_length_tokens)
-    inputs = _ClipInputs(batch, ratio, seq_weights, tis_cap if tis_mode == "token" else None, clip_low, clip_high, scale)
+    token_cap = tis_cap if tis_mode == "token" else None
+    inputs = _ClipInputs(batch, ratio, seq_weights, token_cap, config.clip_low, config.clip_high, scale)
     counts: Metrics = {}
     loss = _ClippedTokenLoss.apply(batch.logprobs, inputs, counts)
     seq_tokens = ctx.total.tokens.clamp(min=1.0)
@@ -523,6 +508,13 @@ def _token_tis_metrics(batch: TokenBatch, tis_cap: float) -> Metrics:
             weight_sum += weights.masked_fill_(~on, 0.0).sum()
             truncated += weights.ge(tis_cap).logical_and_(on).sum()
     return {"tis_token_weight_sum": raw(weight_sum), "tis_token_truncated": raw(truncated)}
+
+
+def _check_sequence_mean(algorithm: str, config: LossConfig) -> None:
+    """GSPO's objectives are means over sequences (Eq. 5, 13); another aggregation would be ignored silently."""
+    if config.aggregation != "seq_mean_token_mean":
+        raise ValueError(f"{algorithm}: aggregation={config.aggregation!r} applies to grpo only; "
+                         f"{algorithm} is always a mean over sequences (seq_mean_token_mean)")
 
 
 def _tis(batch: TokenBatch, ctx: SequenceContext, tis_mode: TISMode, tis_cap: float) -> tuple[Tensor | None, Metrics]:

@@ -1,5 +1,9 @@
-"""The one loss entry point the trainer calls: ``policy_loss(config, batch, normalisers)``."""
+"""The one loss entry point the trainer calls: ``policy_loss(config, batch, normalisers)``, and the table
+``POLICY_LOSSES`` from ``loss.algorithm`` to its policy loss (one signature for all)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -8,7 +12,27 @@ from gspo_megatron.algorithms.config import LossConfig
 from gspo_megatron.algorithms.layout import LossNormalisers, TokenBatch
 from gspo_megatron.algorithms.losses import entropy_bonus, grpo_loss, gspo_loss, gspo_token_loss, kl_penalty
 from gspo_megatron.algorithms.metrics import raw
-from gspo_megatron.algorithms.sequences import ReduceSequenceSums, sequence_context
+from gspo_megatron.algorithms.sequences import ReduceSequenceSums, SequenceContext, sequence_context
+
+PolicyLossFn = Callable[[TokenBatch, LossNormalisers, LossConfig, SequenceContext], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """fn:            (batch, normalisers, config, context) -> (loss, raw metrics);
+    sequence_grad: the loss differentiates through the per-sequence log-ratio sums (GSPO, Eq. 7), so the
+                   context keeps their graph; the token-level losses have their own fused op and need none.
+    """
+
+    fn: PolicyLossFn
+    sequence_grad: bool
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "gspo": PolicyLoss(gspo_loss, sequence_grad=True),
+    "gspo_token": PolicyLoss(gspo_token_loss, sequence_grad=False),
+    "grpo": PolicyLoss(grpo_loss, sequence_grad=False),
+}
 
 
 def policy_loss(
@@ -25,25 +49,11 @@ def policy_loss(
     The KL (or entropy) metric is reported whenever the batch has ``ref_logprobs`` (``entropy``), and
     enters the loss only when its coefficient is non-zero.
     """
-    ctx = sequence_context(batch, reduce_sequence_sums, differentiable=config.algorithm == "gspo")
-    clip = {"clip_low": config.clip_low, "clip_high": config.clip_high}
-    tis = {"tis_mode": config.tis_mode, "tis_cap": config.tis_cap}
-    if config.algorithm == "gspo":
-        pg_loss, metrics = gspo_loss(batch, normalisers, **clip, **tis, context=ctx)
-    elif config.algorithm == "gspo_token":
-        pg_loss, metrics = gspo_token_loss(batch, normalisers, **clip, **tis, context=ctx)
-    elif config.algorithm == "grpo":
-        pg_loss, metrics = grpo_loss(
-            batch,
-            normalisers,
-            **clip,
-            **tis,
-            aggregation=config.aggregation,
-            constant_length_tokens=config.constant_length_tokens,
-            context=ctx,
-        )
-    else:
-        raise ValueError(f"loss.algorithm: must be one of gspo, gspo_token, grpo, got {config.algorithm!r}")
+    if config.algorithm not in POLICY_LOSSES:
+        raise ValueError(f"loss.algorithm: must be one of {', '.join(POLICY_LOSSES)}, got {config.algorithm!r}")
+    policy = POLICY_LOSSES[config.algorithm]
+    ctx = sequence_context(batch, reduce_sequence_sums, differentiable=policy.sequence_grad)
+    pg_loss, metrics = policy.fn(batch, normalisers, config, ctx)
 
     loss = pg_loss
     aggregate = {

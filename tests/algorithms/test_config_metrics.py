@@ -1,4 +1,8 @@
-"""LossConfig (typed, validated, paper defaults) and the reducible metrics."""
+"""LossConfig (typed, validated, paper defaults), the table of policy losses and the reducible metrics."""
+import importlib
+import inspect
+import pkgutil
+
 import pytest
 import torch
 
@@ -40,9 +44,16 @@ def test_invalid_settings_name_the_field(mapping, field):
         build(LossConfig, mapping, "loss")
 
 
-def test_valid_combinations_build():
-    build(LossConfig, {"algorithm": "grpo", "aggregation": "token_sum", "constant_length_tokens": 1024, "tis_mode": "token"}, "loss")
-    build(LossConfig, {"algorithm": "gspo", "tis_mode": "sequence", "kl_coef": 0.01, "kl_estimator": "k2"}, "loss")
+@pytest.mark.parametrize(
+    "mapping",
+    [
+        {"algorithm": "grpo", "aggregation": "token_sum", "constant_length_tokens": 1024, "tis_mode": "token"},
+        {"algorithm": "gspo", "tis_mode": "sequence", "kl_coef": 0.01, "kl_estimator": "k2"},
+    ],
+)
+def test_valid_combinations_build_with_the_given_values(mapping):
+    built = to_dict(build(LossConfig, mapping, "loss"))
+    assert {key: built[key] for key in mapping} == mapping
 
 
 def test_merge_and_finalize():
@@ -73,3 +84,27 @@ def test_every_metric_has_a_valid_spec():
         assert spec.op in ("sum", "min", "max"), key
         assert spec.per in (None, "tokens", "seqs"), key
         assert spec.meaning, key
+
+
+def test_one_loss_per_algorithm_in_one_table():
+    from typing import get_args
+
+    from gspo_megatron.algorithms import PAPER_CLIP, POLICY_LOSSES
+    from gspo_megatron.algorithms.config import Algorithm
+
+    assert list(POLICY_LOSSES) == list(PAPER_CLIP) == list(get_args(Algorithm))
+    signatures = {name: list(inspect.signature(entry.fn).parameters) for name, entry in POLICY_LOSSES.items()}
+    assert all(params == ["batch", "normalisers", "config", "context"] for params in signatures.values()), signatures
+
+
+def test_clip_values_are_never_signature_defaults():
+    import gspo_megatron.algorithms as package
+
+    defaults = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            for param in inspect.signature(fn).parameters.values():
+                if param.name in ("clip_low", "clip_high", "tis_cap") and param.default is not inspect.Parameter.empty:
+                    defaults.append(f"{info.name}.{name}({param.name}={param.default})")
+    assert defaults == []

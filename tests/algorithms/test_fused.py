@@ -266,7 +266,7 @@ def test_kl_and_entropy_gradcheck(estimator, chunking):
     def kl(lp):
         b = packed_batch(lp, batch.old_logprobs, segments=batch.segments, mask=batch.mask, advantages=batch.advantages,
                          ref_logprobs=batch.ref_logprobs)
-        return kl_penalty(b, normalisers, estimator=estimator)[0]
+        return kl_penalty(b, normalisers, estimator=estimator, aggregation="seq_mean_token_mean")[0]
 
     def entropy(ent):
         b = packed_batch(batch.logprobs, batch.old_logprobs, segments=batch.segments, mask=batch.mask,

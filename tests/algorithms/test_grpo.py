@@ -5,6 +5,8 @@ from tests.algorithms.helpers import grad_of, random_raw
 
 from gspo_megatron.algorithms import LossConfig, grpo_loss, policy_loss
 
+GRPO = LossConfig(algorithm="grpo")  # the paper's clip-higher range, 0.2 / 0.27
+
 
 def reference_terms(raw, clip_low, clip_high, per_token=False):
     """Plain autograd expression of Eq. 2 per token (0 off the mask)."""
@@ -17,7 +19,7 @@ def reference_terms(raw, clip_low, clip_high, per_token=False):
 def test_gradient_weights_each_token_by_its_own_ratio():
     raw = random_raw([4, 9, 2, 6], seed=11, scale=0.3, mask_frac=0.2)
     batch = raw.batch(per_token=True, extras=False)
-    loss, metrics = grpo_loss(batch, raw.normalisers())
+    loss, metrics = grpo_loss(batch, raw.normalisers(), GRPO)
     (grad,) = grad_of(loss, raw.logprobs)
     ratio = torch.exp(raw.logprobs.detach() - raw.old)
     adv = raw.token_advantages
@@ -65,9 +67,9 @@ def test_clip_higher_defaults_are_asymmetric():
     with torch.no_grad():
         raw.logprobs.copy_(raw.old + torch.log(torch.tensor([0.79, 0.81, 1.0, 1.2, 1.26, 1.28, 1.5, 0.5])))
     raw.advantages.fill_(1.0)
-    _, m_pos = grpo_loss(raw.batch(extras=False), raw.normalisers())
+    _, m_pos = grpo_loss(raw.batch(extras=False), raw.normalisers(), GRPO)
     raw.advantages.fill_(-1.0)
-    _, m_neg = grpo_loss(raw.batch(extras=False), raw.normalisers())
+    _, m_neg = grpo_loss(raw.batch(extras=False), raw.normalisers(), GRPO)
     assert m_pos["clip_high_tokens"].item() == 2  # 1.28, 1.5 > 1.27 (a symmetric 0.2 would also clip 1.26)
     assert m_neg["clip_low_tokens"].item() == 2  # 0.79, 0.5 < 0.8
     assert m_pos["clip_low_tokens"].item() == 0 and m_neg["clip_high_tokens"].item() == 0
@@ -78,7 +80,7 @@ def test_exponent_guard_matches_clamped_reference():
     with torch.no_grad():  # log-ratios beyond the +-20 guard on the side the clip does not stop (A < 0 above, A > 0 below)
         raw.logprobs.copy_(raw.old + torch.tensor([25.0, -25.0, 0.1, 19.0]))
     raw.token_advantages.copy_(torch.tensor([-1.0, 1.0, -1.0, -1.0]))
-    loss, metrics = grpo_loss(raw.batch(per_token=True, extras=False), raw.normalisers())
+    loss, metrics = grpo_loss(raw.batch(per_token=True, extras=False), raw.normalisers(), GRPO)
     (grad,) = grad_of(loss, raw.logprobs)
     ratio = torch.exp((raw.logprobs - raw.old).clamp(-20, 20))
     adv = raw.token_advantages

@@ -17,7 +17,8 @@ from gspo_megatron.algorithms import (
     sequence_sums,
 )
 
-WIDE = {"clip_low": 0.5, "clip_high": 0.5}  # nothing clips: the pure Eq. 10 regime
+PAPER = LossConfig(algorithm="gspo")  # the paper's clip range, 3e-4 / 4e-4
+WIDE = LossConfig(algorithm="gspo", clip_low=0.5, clip_high=0.5)  # nothing clips: the pure Eq. 10 regime
 
 
 def seq_batch(log_ratios: list[list[float]], advantages: list[float]):
@@ -36,7 +37,7 @@ def norm(num_seqs, num_tokens=1.0):
 def test_value_by_hand():
     # seq 0: mean log-ratio 0.0001 -> s = e^1e-4 inside [1-3e-4, 1+4e-4]; seq 1: mean 0.001 -> clipped at 1.0004
     _, batch = seq_batch([[0.0002, 0.0], [0.001, 0.002, 0.0]], [2.0, 3.0])
-    loss, metrics = gspo_loss(batch, norm(2))
+    loss, metrics = gspo_loss(batch, norm(2), PAPER)
     s0, s1 = math.exp(1e-4), math.exp(1e-3)
     expected = -(min(s0 * 2, s0 * 2) + min(s1 * 3, 1.0004 * 3)) / 2
     assert loss.item() == pytest.approx(expected, rel=1e-6)
@@ -47,7 +48,7 @@ def test_value_by_hand():
 def test_gradient_is_eq10_on_unclipped_sequences():
     raw = random_raw([3, 7, 1, 12, 5], seed=1, scale=0.05)
     batch = raw.batch(extras=False)
-    loss, _ = gspo_loss(batch, raw.normalisers(), **WIDE)
+    loss, _ = gspo_loss(batch, raw.normalisers(), WIDE)
     (grad,) = grad_of(loss, raw.logprobs)
     # Eq. 10: every token of sequence i gets  -(1/G) s_i A_i / |y_i|
     sums = sequence_sums(batch)
@@ -68,7 +69,7 @@ def test_gradient_is_eq10_on_unclipped_sequences():
 )
 def test_clipping_stops_the_gradient_on_one_side_only(mean_log_ratio, advantage, stopped):
     new, batch = seq_batch([[mean_log_ratio] * 4, [0.0] * 3], [advantage, 1.0])
-    loss, metrics = gspo_loss(batch, norm(2))
+    loss, metrics = gspo_loss(batch, norm(2), PAPER)
     (grad,) = grad_of(loss, new)
     if stopped:
         assert torch.count_nonzero(grad[:4]) == 0
@@ -84,8 +85,8 @@ def test_length_does_not_weight_a_sequence():
     # the same two sequence terms with their lengths swapped: a token mean would change, GSPO must not
     _, short_first = seq_batch([[0.01, -0.01, 0.0], [0.002] * 30], [1.0, -2.0])
     _, long_first = seq_batch([[0.01, -0.01, 0.0] * 10, [0.002] * 3], [1.0, -2.0])
-    a, _ = gspo_loss(short_first, norm(2), **WIDE)
-    b, _ = gspo_loss(long_first, norm(2), **WIDE)
+    a, _ = gspo_loss(short_first, norm(2), WIDE)
+    b, _ = gspo_loss(long_first, norm(2), WIDE)
     assert a.item() == pytest.approx(b.item(), rel=1e-6)
     grpo_like = LossConfig(algorithm="grpo", aggregation="token_mean", clip_low=0.5, clip_high=0.5)
     c, _ = policy_loss(grpo_like, short_first, norm(2, 33))
@@ -96,18 +97,20 @@ def test_length_does_not_weight_a_sequence():
 def test_loss_from_sums_is_the_same_function():
     raw = random_raw([4, 2, 9], seed=2, scale=1e-3)
     batch = raw.batch(extras=False)
-    loss, _ = gspo_loss(batch, raw.normalisers())
-    again, _ = gspo_loss_from_sums(sequence_sums(batch), raw.advantages, raw.normalisers())
+    loss, _ = gspo_loss(batch, raw.normalisers(), PAPER)
+    again, _ = gspo_loss_from_sums(
+        sequence_sums(batch), raw.advantages, raw.normalisers(), clip_low=PAPER.clip_low, clip_high=PAPER.clip_high
+    )
     assert torch.allclose(loss, again)
 
 
 def test_exponent_is_guarded():
     new, batch = seq_batch([[80.0, 90.0], [-1e4, -1e4, -1e4]], [-1.0, 1.0])
-    loss, metrics = gspo_loss(batch, norm(2))
+    loss, metrics = gspo_loss(batch, norm(2), PAPER)
     (grad,) = grad_of(loss, new)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert metrics["seq_ratio_max"].item() == pytest.approx(math.exp(20), rel=1e-5)
-    tok_loss, _ = gspo_token_loss(batch, norm(2))
+    tok_loss, _ = gspo_token_loss(batch, norm(2), PAPER)
     (tok_grad,) = grad_of(tok_loss, new)
     assert torch.allclose(loss, tok_loss) and torch.equal(grad, tok_grad)
 
@@ -122,8 +125,8 @@ def test_gspo_token_equals_gspo_with_constant_advantages(scale):
     tok_batch = packed_batch(
         raw.logprobs, raw.old, cu_seqlens=raw.cu_seqlens, mask=raw.mask, token_advantages=seq_batch_.segments.expand(raw.advantages)
     )
-    a, ma = gspo_loss(seq_batch_, raw.normalisers())
-    b, mb = gspo_token_loss(tok_batch, raw.normalisers())
+    a, ma = gspo_loss(seq_batch_, raw.normalisers(), PAPER)
+    b, mb = gspo_token_loss(tok_batch, raw.normalisers(), PAPER)
     assert torch.allclose(a, b, rtol=1e-6, atol=1e-8)
     (ga,) = grad_of(a, raw.logprobs)
     (gb,) = grad_of(b, raw.logprobs)
@@ -137,7 +140,7 @@ def test_gspo_token_equals_gspo_with_constant_advantages(scale):
 def test_gspo_token_weights_tokens_by_their_own_advantage():
     raw = random_raw([6, 4], seed=4, scale=0.05)
     batch = raw.batch(per_token=True, extras=False)
-    loss, _ = gspo_token_loss(batch, raw.normalisers(), **WIDE)
+    loss, _ = gspo_token_loss(batch, raw.normalisers(), WIDE)
     (grad,) = grad_of(loss, raw.logprobs)
     sums = sequence_sums(batch)
     s = torch.exp(sums.log_ratio.detach() / sums.tokens)
@@ -147,14 +150,22 @@ def test_gspo_token_weights_tokens_by_their_own_advantage():
     # GSPO with each sequence's mean advantage has a different gradient
     mean_adv = seg.sum(raw.token_advantages) / sums.tokens
     as_seq = packed_batch(raw.logprobs, raw.old, cu_seqlens=raw.cu_seqlens, advantages=mean_adv)
-    (grad_seq,) = grad_of(gspo_loss(as_seq, raw.normalisers(), **WIDE)[0], raw.logprobs)
+    (grad_seq,) = grad_of(gspo_loss(as_seq, raw.normalisers(), WIDE)[0], raw.logprobs)
     assert not torch.allclose(grad, grad_seq, atol=1e-4)
 
 
 def test_gspo_needs_sequence_advantages():
     raw = random_raw([3, 3])
     with pytest.raises(ValueError, match="gspo_token"):
-        gspo_loss(raw.batch(per_token=True), raw.normalisers())
+        gspo_loss(raw.batch(per_token=True), raw.normalisers(), PAPER)
+
+
+@pytest.mark.parametrize("loss_fn", [gspo_loss, gspo_token_loss])
+def test_gspo_refuses_a_token_aggregation(loss_fn):
+    raw = random_raw([3, 3])
+    batch = raw.batch(per_token=loss_fn is gspo_token_loss)
+    with pytest.raises(ValueError, match="aggregation='token_mean' applies to grpo only"):
+        loss_fn(batch, raw.normalisers(), LossConfig(aggregation="token_mean"))
 
 
 # ---- the context-parallel seam ------------------------------------------------------------------

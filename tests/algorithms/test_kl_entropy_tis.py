@@ -56,8 +56,8 @@ def test_sequence_tis_weights_each_sequence_term():
     with torch.no_grad():  # sequence 0: pi_old / pi_rollout = e^0.1 per token; sequence 1: e^2 -> capped at 2
         raw.rollout.copy_(raw.old - torch.tensor([0.1] * 4 + [2.0] * 6))
     batch = raw.batch()
-    plain, _ = gspo_loss(batch, raw.normalisers(), clip_low=0.5, clip_high=0.5)
-    corrected, m = gspo_loss(batch, raw.normalisers(), clip_low=0.5, clip_high=0.5, tis_mode="sequence", tis_cap=2.0)
+    plain, _ = gspo_loss(batch, raw.normalisers(), LossConfig(clip_low=0.5, clip_high=0.5))
+    corrected, m = gspo_loss(batch, raw.normalisers(), LossConfig(clip_low=0.5, clip_high=0.5, tis_mode="sequence", tis_cap=2.0))
     sums = sequence_sums(batch)
     s = torch.exp(sums.log_ratio.detach() / sums.tokens)
     terms = -s * raw.advantages / 2
