@@ -1,4 +1,5 @@
-"""The ``slurm_cluster`` session fixture: a real single-node Slurm started by tools/slurm/local_cluster.sh.
+"""Session fixtures: ``slurm_cluster``, a real single-node Slurm started by tools/slurm/local_cluster.sh,
+and ``slurm_multinode``, a 2-node one in network namespaces that the fixture starts and removes itself.
 
 CI starts the cluster before pytest (tools/run_tests.sh); then ``start`` finds it running, and this
 fixture leaves it running at the end. Otherwise the fixture starts it (installing the Debian packages if
@@ -14,7 +15,8 @@ from typing import Iterator
 
 import pytest
 
-from tests.slurm.cluster import CLUSTER_SCRIPT, EXIT_CANNOT_INSTALL, LocalSlurm
+from tests.slurm.cluster import (CLUSTER_SCRIPT, EXIT_CANNOT_INSTALL, LocalSlurm, MultiNodeSlurm, start_multinode,
+                                 stop_multinode)
 
 
 def _cluster_cmd(action: str, timeout_s: float) -> subprocess.CompletedProcess:
@@ -36,3 +38,15 @@ def slurm_cluster() -> Iterator[LocalSlurm]:
     yield LocalSlurm(conf=Path(match.group(1)))
     if not was_running:
         _cluster_cmd("stop", 120)
+
+
+@pytest.fixture(scope="session")
+def slurm_multinode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeSlurm]:
+    """A 2-node cluster (two network namespaces) for this session only, beside any single-node one; when
+    the session ends it is stopped and the teardown fails if anything of it is left."""
+    cluster = start_multinode(tmp_path_factory.mktemp("slurm-multinode"), nodes=2)
+    try:
+        yield cluster
+    finally:
+        left = stop_multinode(cluster)
+        assert not left, f"the multi-node cluster left behind: {left}"

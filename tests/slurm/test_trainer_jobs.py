@@ -2,24 +2,16 @@
 gloo), and a job signalled mid-run checkpoints, exits cleanly, and a resubmitted job resumes from it."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.slurm.cluster import REPO_ROOT, LocalSlurm, submit, submit_and_wait, wait_until
+from tests.slurm.cluster import REPO_ROOT, LocalSlurm, metrics, submit, submit_and_wait, wait_until
 
 SCRIPT = REPO_ROOT / "examples" / "slurm" / "cpu_demo.sbatch"
 SMALL = ["parallel.expert_parallel=2", "sft.steps=20", "eval.num_prompts=16", "logging.console=false",
          "logging.tensorboard=false"]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
 def job_env(run_dir: Path) -> dict[str, str]:

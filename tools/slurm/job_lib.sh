@@ -53,6 +53,10 @@ gspo_run_step() {
 gspo_requeue_if_preempted() {
     local rc=$1
     if [ "$GSPO_PREEMPTED" != 1 ]; then
+        if [ "$rc" != 0 ]; then
+            # srun's own lines above name the task and node that failed first.
+            echo "job_lib: the training step failed (exit $rc) on $SLURM_JOB_NODELIST: job $SLURM_JOB_ID ends without requeue; resubmit to resume from the last complete checkpoint" >&2
+        fi
         return 0
     fi
     if [ "$rc" != 0 ]; then
