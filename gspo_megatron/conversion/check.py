@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from gspo_megatron.conversion.dcp_io import check_vocab_rows
 from gspo_megatron.conversion.errors import ConversionError
 from gspo_megatron.conversion.offline import export_config
 from gspo_megatron.megatron.model_config import ModelConfig
@@ -71,8 +72,10 @@ def megatron_logits(model, config: ModelConfig, tokens: torch.Tensor) -> torch.T
 
 
 def model_config_for_check(hf_dir: Path, megatron_dir: Path) -> ModelConfig:
-    """The Megatron checkpoint's model config, which must be the HF folder's."""
+    """The Megatron checkpoint's model config, which must be the HF folder's, and whose vocabulary the
+    checkpoint must hold (Megatron would zero-fill missing rows without a word: ``check_vocab_rows``)."""
     config, _ = export_config(Path(megatron_dir), Path(hf_dir))
+    check_vocab_rows(Path(megatron_dir), config)
     return config
 
 

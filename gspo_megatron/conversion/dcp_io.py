@@ -118,14 +118,17 @@ def _meta_model(config: ModelConfig, vocab_rows: int):
 
     tc = dataclasses.replace(transformer_config(config, ParallelConfig()), perform_initialization=False,
                              use_cpu_initialization=True, moe_grouped_gemm=False)
-    spec = get_gpt_layer_local_spec(num_experts=config.num_experts or None, moe_grouped_gemm=False,
-                                    qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-    block = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=WrappedTorchNorm)
+    specs = {moe: get_gpt_layer_local_spec(num_experts=config.num_experts if moe else None, moe_grouped_gemm=False,
+                                           qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+             for moe in (True, False)}
+    block = TransformerBlockSubmodules(layer_specs=[specs[config.is_moe_layer(i)] for i in range(config.num_layers)],
+                                       layer_norm=WrappedTorchNorm)
     with torch.device("meta"):
         return GPTModel(config=tc, transformer_layer_spec=block, vocab_size=vocab_rows,
                         max_sequence_length=config.max_position_embeddings, pre_process=True, post_process=True,
                         share_embeddings_and_output_weights=config.tie_word_embeddings,
-                        position_embedding_type="rope", rotary_base=int(config.rope_theta))
+                        position_embedding_type="rope", rotary_base=int(config.rope_theta),
+                        rotary_percent=config.rotary_percent)
 
 
 def checkpoint_layout(config: ModelConfig, padded_vocab: int | None = None) -> CheckpointLayout:
@@ -139,7 +142,7 @@ def checkpoint_layout(config: ModelConfig, padded_vocab: int | None = None) -> C
     if vocab_rows < config.vocab_size:
         raise ValueError(f"checkpoint_layout: padded_vocab={vocab_rows} < vocab_size={config.vocab_size}")
     model = _meta_model(config, vocab_rows)
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # buffers: the routers' expert bias
     state = model.sharded_state_dict(prefix=PREFIX)
     apply_factories(state)  # SwiGLU fc1 becomes its gate and up halves (two chunks of one key)
     chunks: dict[str, Chunk] = {}
@@ -524,3 +527,14 @@ def stored_vocab_rows(directory: str | Path) -> int:
     if EMBEDDING_KEY not in keys:
         raise ConversionError(f"{directory}: no {EMBEDDING_KEY} in the checkpoint")
     return keys[EMBEDDING_KEY][0][0]
+
+
+def check_vocab_rows(directory: str | Path, config: ModelConfig) -> int:
+    """The stored vocabulary rows, after checking that they hold the whole vocabulary of ``config``.
+    Megatron loads vocabulary tensors with ``allow_shape_mismatch`` (zero-filling the rows a checkpoint
+    lacks, so that one padded for another TP loads), which would also load a smaller vocabulary silently."""
+    rows = stored_vocab_rows(directory)
+    if rows < config.vocab_size:
+        raise ConversionError(f"{directory}: {EMBEDDING_KEY} has {rows} rows, fewer than the model config's "
+                              f"vocab_size={config.vocab_size}: the checkpoint is of another vocabulary")
+    return rows

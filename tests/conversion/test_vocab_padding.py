@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from gspo_megatron.conversion import dcp_io, offline
-from gspo_megatron.conversion.check import run_check
+from gspo_megatron.conversion.check import model_config_for_check, run_check
+from gspo_megatron.conversion.errors import ConversionError
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.testing.distributed import run_distributed
 from gspo_megatron.testing.models import tiny_moe_config
@@ -107,6 +108,17 @@ def test_a_non_default_divisor_is_kept_by_the_checkpoint(tmp_path):
     assert read_all(back).keys() == read_all(hf).keys()
     with pytest.raises(ConfigError, match="make_vocab_size_divisible_by: must be >= 1"):
         offline.hf_to_megatron(hf, tmp_path / "bad", make_vocab_size_divisible_by=0, progress=False)
+
+
+def test_check_refuses_a_checkpoint_of_a_smaller_vocabulary(tmp_path):
+    """Megatron would zero-fill the rows it lacks (allow_shape_mismatch): `convert check` says so instead."""
+    hf = make_padded_hf_dir("llama_tied_v97", tmp_path / "hf")
+    meg = offline.hf_to_megatron(hf, tmp_path / "meg", progress=False)  # 128 rows stored
+    for path in (hf / "config.json", meg / offline.MODEL_CONFIG_NAME):
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), vocab_size=200)))
+    with pytest.raises(ConversionError, match=r"embedding\.word_embeddings\.weight has 128 rows, fewer than the "
+                                              r"model config's vocab_size=200"):
+        model_config_for_check(hf, meg)
 
 
 @pytest.mark.slow
