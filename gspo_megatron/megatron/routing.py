@@ -5,9 +5,12 @@ stage):
 
 * ``RoutingRecorder``: a context manager that records, through forward hooks on the routers, the top-k
   experts every token was sent to during one or more forwards (micro-batches).
-* ``routing_drift``: the fraction of (token, layer) top-k expert *sets* that differ between two records
-  of the same tokens -- the paper's "about 10% of the experts activated for the same rollout change
-  after one gradient update" (GSPO, section 5.3). Returned as sums and counts so it reduces over ranks.
+* ``routing_drift``: how the activated experts of the same tokens differ between two records. The
+  headline is the paper's statistic, the fraction of *activated experts* that change ("about 10% of the
+  experts activated for the same rollout change after one gradient update", GSPO section 5.3): per
+  (token, layer) |E_before - E_after| / k, averaged over tokens and layers. The fraction of (token,
+  layer) top-k *sets* that changed at all is kept as a second statistic; it is up to k times larger.
+  Returned as sums and counts so both reduce over ranks.
 * ``RoutingReplay``: forces recorded experts in later forwards through Megatron-Core's own
   ``RouterReplay`` (megatron/core/transformer/moe/router_replay.py, >= 0.16): "R2" replays the experts of
   the old-policy forward in the update forwards, "R3" replays the experts the rollout engine chose.
@@ -211,9 +214,16 @@ class RoutingRecorder:
 # ---- drift ---------------------------------------------------------------------------------------
 
 
+def moved_experts(before: Tensor, after: Tensor) -> Tensor:
+    """[N] |E_before - E_after| per token: how many of its k experts in ``before`` [N, k] are not in
+    ``after`` [N, k] (expert ids, any order; the k ids of a token are distinct, as top-k's are)."""
+    kept = (before.to(after.device)[:, :, None] == after[:, None, :]).any(dim=2)
+    return (~kept).sum(dim=1)
+
+
 def routing_drift(before: Mapping[int, Tensor], after: Mapping[int, Tensor], token_mask: Tensor | None = None,
                   *, num_layers: int | None = None) -> dict[str, Tensor]:
-    """How many (token, layer) top-k expert sets changed between two records of the same tokens.
+    """How the activated experts of the same tokens changed between two records, per layer.
 
     before, after: {global layer: [N, top_k] expert ids} (``RoutingRecorder.experts``; any order per token);
     token_mask:    [N] (or any shape with N elements, flattened) bool, True on tokens that count
@@ -221,28 +231,33 @@ def routing_drift(before: Mapping[int, Tensor], after: Mapping[int, Tensor], tok
     num_layers:    length of the per-layer vectors (default: highest layer + 1); give the model's
                    num_layers so that vectors of different pipeline stages line up for a reduce.
     Returns float64 sums, reducible with ``reduce_drift`` before ``drift_fractions``:
-        changed: [num_layers] masked tokens whose expert set differs, per layer;
+        moved:   [num_layers] sum over masked tokens of |E_before - E_after| (experts that changed);
+        slots:   [num_layers] masked tokens x k (activated experts compared);
+        changed: [num_layers] masked tokens whose expert set differs at all;
         tokens:  [num_layers] masked tokens compared, per layer (0 for layers not recorded here).
     """
     if set(before) != set(after):
         raise ValueError(f"routing_drift: records cover different layers, before {sorted(before)} vs after {sorted(after)}")
     size = (max(before) + 1 if before else 0) if num_layers is None else num_layers
-    changed = torch.zeros(size, dtype=torch.float64)
-    tokens = torch.zeros(size, dtype=torch.float64)
+    stats = {key: torch.zeros(size, dtype=torch.float64) for key in DRIFT_SUMS}
     for layer in sorted(before):
         a, b = before[layer], after[layer]
         if a.shape != b.shape:
             raise ValueError(f"routing_drift: layer {layer}: before {tuple(a.shape)} vs after {tuple(b.shape)} -- not the same tokens")
         if layer >= size:
             raise ValueError(f"routing_drift: layer {layer} >= num_layers={size}")
-        # sort again so that records from other sources (an engine's top-k order) compare as sets
-        differs = (a.to(b.device).sort(dim=1).values != b.sort(dim=1).values).any(dim=1)
-        mask = torch.ones_like(differs) if token_mask is None else token_mask.reshape(-1).to(torch.bool)
-        if mask.numel() != differs.numel():
-            raise ValueError(f"routing_drift: token_mask has {mask.numel()} elements for {differs.numel()} recorded tokens")
-        changed[layer] = (differs & mask).sum().double()
-        tokens[layer] = mask.sum().double()
-    return {"changed": changed, "tokens": tokens}
+        moved = moved_experts(a, b)  # set comparison: an engine's top-k order does not matter
+        mask = torch.ones_like(moved, dtype=torch.bool) if token_mask is None else token_mask.reshape(-1).to(torch.bool)
+        if mask.numel() != moved.numel():
+            raise ValueError(f"routing_drift: token_mask has {mask.numel()} elements for {moved.numel()} recorded tokens")
+        stats["moved"][layer] = moved[mask].sum().double()
+        stats["slots"][layer] = mask.sum().double() * a.shape[1]
+        stats["changed"][layer] = ((moved > 0) & mask).sum().double()
+        stats["tokens"][layer] = mask.sum().double()
+    return stats
+
+
+DRIFT_SUMS = ("moved", "slots", "changed", "tokens")
 
 
 def reduce_drift(stats: Mapping[str, Tensor], group=None) -> dict[str, Tensor]:
@@ -255,19 +270,27 @@ def reduce_drift(stats: Mapping[str, Tensor], group=None) -> dict[str, Tensor]:
     """
     if not dist.is_initialized() or (group is not None and dist.get_world_size(group) == 1):
         return dict(stats)
-    stacked = torch.stack([stats["changed"], stats["tokens"]])
+    stacked = torch.stack([stats[key] for key in DRIFT_SUMS])
     dist.all_reduce(stacked, group=group)
-    return {"changed": stacked[0], "tokens": stacked[1]}
+    return dict(zip(DRIFT_SUMS, stacked))
+
+
+def _ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
+    return torch.where(denominator > 0, numerator / denominator.clamp(min=1.0), 0.0)
 
 
 def drift_fractions(stats: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """per_layer: [num_layers] changed / tokens (0 where no token was compared); overall: 0-d, the
-    fraction of all compared (token, layer) pairs whose expert set changed."""
-    tokens = stats["tokens"]
-    per_layer = torch.where(tokens > 0, stats["changed"] / tokens.clamp(min=1.0), 0.0)
-    total = tokens.sum()
-    overall = torch.where(total > 0, stats["changed"].sum() / total.clamp(min=1.0), 0.0)
-    return {"per_layer": per_layer, "overall": overall}
+    """The paper's per-expert rate and the set rate, per layer and overall (0 where nothing was compared):
+
+        per_layer / overall:         sum |E_before - E_after| / (tokens x k) -- the fraction of activated
+                                     experts that changed (the headline; overall weights every (token,
+                                     layer) pair alike, i.e. the mean over tokens and layers);
+        set_per_layer / set_overall: the fraction of (token, layer) pairs whose top-k set changed at all.
+    """
+    return {"per_layer": _ratio(stats["moved"], stats["slots"]),
+            "overall": _ratio(stats["moved"].sum(), stats["slots"].sum()),
+            "set_per_layer": _ratio(stats["changed"], stats["tokens"]),
+            "set_overall": _ratio(stats["changed"].sum(), stats["tokens"].sum())}
 
 
 # ---- replay --------------------------------------------------------------------------------------

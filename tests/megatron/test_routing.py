@@ -45,11 +45,27 @@ def test_routing_drift_against_set_comparison():
     assert stats["changed"][3] == int(mask[5]) and stats["changed"][0] > 0
     assert stats["tokens"][1] == 0 and stats["tokens"][2] == 0  # layers not recorded here
     fractions = routing.drift_fractions(stats)
-    assert fractions["per_layer"][0] == stats["changed"][0] / int(mask.sum())
-    assert fractions["per_layer"][1] == 0
-    assert fractions["overall"] == stats["changed"].sum() / (2 * int(mask.sum()))
+    assert fractions["set_per_layer"][0] == stats["changed"][0] / int(mask.sum())
+    assert fractions["set_per_layer"][1] == 0
+    assert fractions["set_overall"] == stats["changed"].sum() / (2 * int(mask.sum()))
+    # the headline: the paper's fraction of activated experts that changed, by brute force per expert
+    for layer in (0, 3):
+        moved = sum(len(set(before[layer][t].tolist()) - set(after[layer][t].tolist())) for t in range(50) if mask[t])
+        assert stats["moved"][layer] == moved and stats["slots"][layer] == 2 * int(mask.sum())
+        assert fractions["per_layer"][layer] == moved / (2 * int(mask.sum()))
+    assert fractions["overall"] == stats["moved"].sum() / (4 * int(mask.sum()))
+    assert fractions["overall"] < fractions["set_overall"]  # some changed sets kept one of their 2 experts
     # no distributed group: reduce is the identity
-    assert torch.equal(routing.reduce_drift(stats)["changed"], stats["changed"])
+    assert all(torch.equal(routing.reduce_drift(stats)[k], stats[k]) for k in routing.DRIFT_SUMS)
+
+
+def test_per_expert_rate_is_a_kth_of_the_set_rate_when_one_expert_moves():
+    """k = 4: a token whose set changed by one expert counts 1 in the set rate and 1/4 in the paper's."""
+    before = {0: torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])}
+    after = {0: torch.tensor([[0, 1, 2, 9], [7, 6, 5, 4]])}  # token 0: one expert moved; token 1: same set
+    fractions = routing.drift_fractions(routing.routing_drift(before, after))
+    assert fractions["set_overall"] == 0.5 and fractions["overall"] == 1 / 8
+    assert routing.moved_experts(before[0], after[0]).tolist() == [1, 0]
 
 
 def test_routing_drift_rejects_mismatched_records():
@@ -135,8 +151,10 @@ def test_drift_is_zero_for_same_weights_and_counts_changed_sets(runs, layout):
         out = runs[rank][layout]
         same = out["drift_same_weights"]
         assert same["tokens"].tolist() == [48.0, 48.0] and same["changed"].tolist() == [0.0, 0.0]
+        assert same["moved"].tolist() == [0.0, 0.0]
         moved = out["drift_perturbed"]
         assert (moved["changed"] > 0).all() and (moved["changed"] < moved["tokens"]).all()
+        assert (moved["changed"] <= moved["moved"]).all() and (moved["moved"] <= 2 * moved["changed"]).all()
         masked = out["drift_perturbed_masked"]
         recorded, free = out["recorded"], out["free_perturbed"]
         mask = torch.zeros(4, 12, dtype=torch.bool)
@@ -198,3 +216,70 @@ def test_replay_gradient_survives_activation_recomputation(runs):
         for run in (plain, recompute):
             assert run["forwards_recorded"] == 2
             assert _records_equal(run["replayed"], run["recorded"])
+
+
+# ---- drift through PolicyModel: zero-update controls ----------------------------------------------
+
+
+def _drift_controls(rank, world_size, model_config):
+    """The trainer's drift procedure (the same no-grad forward of one mini-batch before and after an
+    update, PolicyModel.routing_drift) at EP=2 over DP=2: the same forward twice, an update of lr 0, and a
+    real update."""
+    from gspo_megatron.algorithms.config import LossConfig
+    from gspo_megatron.batching import split_for_data_parallel
+    from gspo_megatron.megatron import sharding
+    from gspo_megatron.megatron.optimizer import OptimizerConfig
+    from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
+    from gspo_megatron.megatron.policy_model import PolicyModel
+    from gspo_megatron.testing.models import canonical_weights
+    from tests.megatron.train_workers import make_sequences
+
+    parallel = ParallelConfig(expert_parallel=2)
+    initialize_model_parallel(parallel, seed=0)
+    out = {}
+    for name, lr in (("lr0", 0.0), ("lr_real", 5e-2)):
+        # lr 0 bypasses OptimizerConfig.validate on purpose: Adam then moves no weight at all
+        policy = PolicyModel(model_config, parallel, OptimizerConfig(lr=lr, clip_grad=0.0), LossConfig(algorithm="grpo"))
+        sharding.load_full_state_dict(policy.module, canonical_weights(model_config, seed=1))
+        seqs = split_for_data_parallel(make_sequences(model_config, count=8), world_size, rank)
+
+        def free_routing():
+            with policy.routing_recorder() as recorder:
+                old = policy.compute_logprobs(seqs)
+            return recorder, old
+
+        recorder, old = free_routing()
+        before = policy.sequence_routing(seqs, recorder)
+        if name == "lr0":
+            out["same_forward_twice"] = policy.routing_drift(seqs, before, free_routing()[0])
+        for q, o in zip(seqs, old):
+            q.old_logprobs = o["logprobs"]
+        policy.train_minibatch(seqs)
+        out[name] = policy.routing_drift(seqs, before, free_routing()[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def drift_controls():
+    return run_distributed(_drift_controls, 2, (tiny_moe_config(),))
+
+
+@pytest.mark.distributed
+def test_drift_controls_read_exactly_zero(drift_controls):
+    for rank in range(2):
+        for control in ("same_forward_twice", "lr0"):
+            metrics = drift_controls[rank][control]
+            assert metrics["routing_drift"] == 0.0 and metrics["routing_drift_set"] == 0.0, (rank, control)
+            assert set(metrics) >= {"routing_drift/layer0", "routing_drift_set/layer1"}
+            assert all(v == 0.0 for v in metrics.values()), (rank, control)
+
+
+@pytest.mark.distributed
+def test_drift_after_a_real_update_is_the_per_expert_rate(drift_controls):
+    """A real update moves experts; the headline (per expert) is between the set rate / k and the set
+    rate, and both ranks report the DP-reduced figure."""
+    metrics = drift_controls[0]["lr_real"]
+    assert metrics["routing_drift"] > 0
+    k = tiny_moe_config().moe_router_topk
+    assert metrics["routing_drift_set"] / k <= metrics["routing_drift"] <= metrics["routing_drift_set"]
+    assert drift_controls[1]["lr_real"] == metrics
