@@ -275,7 +275,11 @@ class PolicyModel:
     def routing_drift(self, seqs: Sequence[TrainSequence], before: Sequence[torch.Tensor], after) -> dict[str, float]:
         """Routing drift of ``seqs`` over their response tokens, all DP ranks: ``before`` holds per sequence
         the rows ``sequence_routing`` gave for an earlier forward, ``after`` is a RoutingRecorder around a
-        later forward of the same ``seqs``."""
+        later forward of the same ``seqs`` (the same call, so that both have the same batch shapes).
+
+        ``routing_drift``: the paper's fraction of activated experts that changed, the mean over (token,
+        layer) of |E_before - E_after| / k (set difference); ``routing_drift_set``: the fraction of (token,
+        layer) top-k sets that changed at all (up to k times larger); both also per layer."""
         from gspo_megatron.megatron.routing import (drift_fractions, moe_layer_index, moe_routers, reduce_drift,
                                                     routing_drift)
 
@@ -291,8 +295,9 @@ class PolicyModel:
         stats = routing_drift(by_layer(before), by_layer(self.sequence_routing(seqs, after)),
                               num_layers=self.model_config.num_layers)
         fractions = drift_fractions(reduce_drift(stats, self.groups.data_parallel))
-        out = {"routing_drift": float(fractions["overall"])}
+        out = {"routing_drift": float(fractions["overall"]), "routing_drift_set": float(fractions["set_overall"])}
         out.update({f"routing_drift/layer{i}": float(v) for i, v in enumerate(fractions["per_layer"])})
+        out.update({f"routing_drift_set/layer{i}": float(v) for i, v in enumerate(fractions["set_per_layer"])})
         return out
 
     def _require_trainable(self, what: str) -> None:

@@ -282,7 +282,7 @@ class Trainer:
         # 4. old log-probs: recomputed by the training model (default) in one call for the whole step, or
         #    the engine's (paper section 5.4)
         t1 = time.perf_counter()
-        routing_before = self._old_logprobs(my_seqs, replay, measure_drift=self._measures_drift(shares))
+        self._old_logprobs(my_seqs, replay)
         # 5. reference log-probs when the KL term is on
         if self.reference is not None:
             for q, o in zip(my_seqs, self.reference.compute_logprobs(my_seqs)):
@@ -291,7 +291,7 @@ class Trainer:
 
         # 6. one optimizer step per mini-batch
         t2 = time.perf_counter()
-        update_metrics, metrics = self._update(shares, replay, routing_before)
+        update_metrics, metrics = self._update(shares, replay)
         self.faults["skipped_updates"] = self.policy.skipped_steps
         timings["time_update_s"] = time.perf_counter() - t2
 
@@ -315,47 +315,46 @@ class Trainer:
 
     # ---- steps 4 and 6 with Routing Replay and routing drift ----------------------------------------
     def _measures_drift(self, shares: list[list[TrainSequence]]) -> bool:
-        """Routing drift "after one gradient update" is read on mini-batch 1: its old-policy forward is
-        before any update, and a forward of it after the first update is the "after"."""
+        """Routing drift "after one gradient update" is read on mini-batch 1 (needs two mini-batches)."""
         cfg = self.config
-        return (self.model_config.is_moe and cfg.train.measure_routing_drift and len(shares) > 1
-                and cfg.rollout.logprobs_from == "recompute")
+        return self.model_config.is_moe and cfg.train.measure_routing_drift and len(shares) > 1
 
-    def _old_logprobs(self, seqs: list[TrainSequence], replay: str, measure_drift: bool) -> dict | None:
+    def _old_logprobs(self, seqs: list[TrainSequence], replay: str) -> None:
         """Step 4: set each sequence's ``old_logprobs``. Recomputed under R3 with the engine's experts; R2
-        stores the experts of this forward in the sequences. Returns the experts this forward used per
-        sequence (keyed by ``id``) when the drift is measured or R2 recorded them, else None."""
+        stores the experts of this forward in the sequences."""
         if self.config.rollout.logprobs_from == "engine":
             for q in seqs:
                 q.old_logprobs = q.rollout_logprobs
-            return None
-        with self.policy.routing_recorder(measure_drift or replay == "r2") as recorder:
+            return
+        with self.policy.routing_recorder(replay == "r2") as recorder:
             old = self.policy.compute_logprobs(seqs, replay=replay == "r3")
         for q, o in zip(seqs, old):
             q.old_logprobs = o["logprobs"]
         if replay == "r2":
-            return dict(zip(map(id, seqs), self.policy.record_routing(seqs, recorder)))
-        return dict(zip(map(id, seqs), self.policy.sequence_routing(seqs, recorder))) if measure_drift else None
+            self.policy.record_routing(seqs, recorder)
 
-    def _update(self, shares: list[list[TrainSequence]], replay: str,
-                routing_before: dict | None) -> tuple[list[dict[str, float]], dict[str, float]]:
-        """Step 6: one optimizer step per mini-batch (replaying the stored experts under R2/R3). With
-        ``routing_before`` (and drift measured), mini-batch 1's routing after the first update is compared with
-        its old-policy routing (paper: ~10% of experts change on Qwen3-30B-A3B); under replay its update
-        forward is forced, so free routing takes one extra no-grad forward. Returns (per mini-batch metrics,
-        drift metrics)."""
-        drift = routing_before is not None and self._measures_drift(shares)
-        per_minibatch, drift_metrics = [], {}
+    def _free_routing(self, seqs: list[TrainSequence]):
+        """A RoutingRecorder around one no-grad forward of ``seqs`` with free (not replayed) routing."""
+        with self.policy.routing_recorder() as recorder:
+            self.policy.compute_logprobs(seqs)
+        return recorder
+
+    def _update(self, shares: list[list[TrainSequence]], replay: str) -> tuple[list[dict[str, float]], dict[str, float]]:
+        """Step 6: one optimizer step per mini-batch (replaying the stored experts under R2/R3). Returns (per
+        mini-batch metrics, drift metrics).
+
+        Routing drift, the paper's statistic (section 5.3: the activated experts of the same rollout that
+        change after one gradient update): mini-batch 1 is routed freely by the same no-grad forward (the
+        same call, hence identical micro-batch shapes) before the first update and after it, whatever the
+        replay mode; two extra forwards of one mini-batch."""
+        drift = self._measures_drift(shares)
+        per_minibatch, drift_metrics, before = [], {}, None
         for k, share in enumerate(shares):
-            before = [routing_before[id(q)] for q in share] if drift and k == 1 else None
-            if before is not None and replay != "off":
-                with self.policy.routing_recorder() as after:
-                    self.policy.compute_logprobs(share)
-                drift_metrics = self.policy.routing_drift(share, before, after)
-            with self.policy.routing_recorder(before is not None and replay == "off") as after:
-                per_minibatch.append(self.policy.train_minibatch(share, replay=replay != "off"))
-            if before is not None and replay == "off":
-                drift_metrics = self.policy.routing_drift(share, before, after)
+            if drift and k == 0:
+                before = self.policy.sequence_routing(shares[1], self._free_routing(shares[1]))
+            if drift and k == 1:
+                drift_metrics = self.policy.routing_drift(share, before, self._free_routing(share))
+            per_minibatch.append(self.policy.train_minibatch(share, replay=replay != "off"))
         return per_minibatch, drift_metrics
 
     # ---- weights, evaluation, checkpoints --------------------------------------------------------
