@@ -42,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     _layout_flags(p)
     p.epilog = ("The checkpoint is layout-free (what one process would save) and loads at any TP/PP/EP that "
-                "divides the model; --tp/--pp/--ep only check that the layout you plan to use divides it.")
+                "divides the model; --tp/--pp/--ep check that the layout you plan to use divides it, and the "
+                "vocabulary is padded for --tp.")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
+                   help="pad the vocabulary to a multiple of N x TP, as Megatron-LM (default 128)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--no-progress", action="store_true")
 
@@ -81,7 +84,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.command == "hf-to-megatron":
         out = offline.hf_to_megatron(args.hf_dir, args.out, args.tp, args.pp, args.ep, overwrite=args.overwrite,
-                                     progress=not args.no_progress)
+                                     progress=not args.no_progress,
+                                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         print(f"wrote {out}")
         return 0
     if args.command == "megatron-to-hf":

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from gspo_megatron.conversion import dcp_io, offline
+from gspo_megatron.conversion import cli, dcp_io, offline
 from gspo_megatron.conversion.check import model_config_for_check, run_check
 from gspo_megatron.conversion.errors import ConversionError
 from gspo_megatron.megatron.model_config import ModelConfig
@@ -108,6 +108,16 @@ def test_a_non_default_divisor_is_kept_by_the_checkpoint(tmp_path):
     assert read_all(back).keys() == read_all(hf).keys()
     with pytest.raises(ConfigError, match="make_vocab_size_divisible_by: must be >= 1"):
         offline.hf_to_megatron(hf, tmp_path / "bad", make_vocab_size_divisible_by=0, progress=False)
+
+
+def test_command_line_divisor(tmp_path, capsys):
+    hf = make_padded_hf_dir("llama_tied_v97", tmp_path / "hf")
+    assert cli.main(["hf-to-megatron", "--hf-dir", str(hf), "--out", str(tmp_path / "meg"), "--tp", "2",
+                     "--make-vocab-size-divisible-by", "3", "--no-progress"]) == 0
+    assert dcp_io.stored_vocab_rows(tmp_path / "meg") == 102  # 97 up to a multiple of 3 x 2
+    assert cli.main(["hf-to-megatron", "--hf-dir", str(hf), "--out", str(tmp_path / "bad"),
+                     "--make-vocab-size-divisible-by", "0"]) == 2
+    assert "make_vocab_size_divisible_by: must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_check_refuses_a_checkpoint_of_a_smaller_vocabulary(tmp_path):
