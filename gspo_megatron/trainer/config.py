@@ -202,11 +202,20 @@ def check_layout(parallel: ParallelConfig, model: ModelConfig, where: str) -> No
               f"{size} does not divide {where}{sep}{model_field}={value}")
 
 
+def _model_identity(section: dict) -> dict:
+    """hf_dir and the inline model config with every default filled in (a field added since the checkpoint
+    was saved compares equal at its default)."""
+    config = section.get("config")
+    if isinstance(config, dict):
+        config = dataclasses.asdict(build(ModelConfig, config, "model.config"))
+    return {"hf_dir": section.get("hf_dir"), "config": config}
+
+
 def check_resumable(saved: dict, current: dict, checkpoint: Path) -> None:
     """A resume continues the run the checkpoint belongs to: the same model, and the same expert-parallel
     size (the optimizer state does not move between EP sizes: Megatron builds a different optimizer
     structure for expert parameters; weights do). ``saved``/``current``: to_dict of the two configs."""
-    old_model, new_model = saved.get("model", {}), current["model"]
+    old_model, new_model = _model_identity(saved.get("model", {})), _model_identity(current["model"])
     diff = [k for k in ("hf_dir", "config") if old_model.get(k) != new_model.get(k)]
     if diff:
         fields = [f"model.{k}" for k in diff]

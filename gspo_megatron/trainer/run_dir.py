@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -55,6 +56,7 @@ class RunDirLock:
         for _ in range(3):  # a takeover races only with another takeover: one O_EXCL create wins
             if self._write_exclusive():
                 self.held = True
+                atexit.register(self.release)  # also after a failed set-up; SIGKILL leaves a stale lock
                 return
             holder = self.holder()
             pid, host = holder.get("pid"), holder.get("host")
@@ -69,6 +71,7 @@ class RunDirLock:
         raise RunDirError(f"{self.path}: could not take the lock (another process keeps replacing it)")
 
     def release(self) -> None:
+        """Remove the lock file if this process holds it (idempotent)."""
         if self.held and self.holder().get("pid") == os.getpid():
             self.path.unlink(missing_ok=True)
         self.held = False

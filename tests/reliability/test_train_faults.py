@@ -1,0 +1,115 @@
+"""`gspo-megatron train / eval / convert` end to end on one tiny run: the run directory belongs to one run,
+a failed start or resume keeps config.yaml, a damaged newest checkpoint is skipped, a full disk is
+reported as such, training checkpoints convert and converted ones evaluate, reward failures are counted."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gspo_megatron.conversion import cli as convert_cli
+from tests.reliability.helpers import DEMO, REPO, tagged_env, train_command
+
+pytestmark = pytest.mark.slow
+FAILING_TERM = ("rewards.terms=[{name: synthetic}, "
+                "{name: 'tests.reliability.failing_reward:always_raises', weight: 0.0}]")
+RUN = ["train.steps=2", "sft.steps=2", "checkpoint.every_steps=1", "eval.every_steps=0"]
+
+
+def _run(cmd, timeout=600):
+    env, _ = tagged_env()
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "error:" in line]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("faults") / "run"
+    proc = _run(train_command(path, *RUN, FAILING_TERM))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return path
+
+
+def test_reward_failures_are_counted(run_dir):
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    per_step, first_eval = 2 * 8, 2  # prompts x samples per step; the step-0 eval's 2 greedy responses
+    counts = [m["faults/reward_failures"] for m in metrics if "faults/reward_failures" in m]
+    assert counts == [first_eval + per_step, first_eval + 2 * per_step]
+
+
+def test_fresh_start_into_an_earlier_run_and_a_bad_resume_are_refused_keeping_config(run_dir):
+    config = (run_dir / "config.yaml").read_bytes()
+    fresh = _run(train_command(run_dir, *RUN))
+    assert fresh.returncode == 2, fresh.stderr[-2000:]
+    assert _error_lines(fresh.stderr) == [f"gspo-megatron train: error: {run_dir}: holds an earlier run (checkpoints, "
+                                          f"config.yaml, metrics.jsonl); pass --resume to continue it, or choose another "
+                                          f"--run-dir (or delete that folder)"]
+    other_model = _run(train_command(run_dir, *RUN, "model.config.hidden_size=32", resume=True))
+    assert other_model.returncode == 2, other_model.stderr[-2000:]
+    assert "holds another model (model.config.hidden_size differ)" in other_model.stderr
+    assert "Traceback" not in other_model.stderr
+    assert (run_dir / "config.yaml").read_bytes() == config
+    assert not (run_dir / ".lock").exists()
+
+
+def test_damaged_newest_checkpoint_is_skipped_with_a_warning(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    damaged = sorted((copy / "checkpoints" / "step_000002").glob("*.distcp"))[0]
+    damaged.write_bytes(damaged.read_bytes()[:100])  # a truncated copy
+    proc = _run(train_command(copy, *RUN, resume=True))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"warning: skipping damaged checkpoint step_000002: {damaged}: truncated (100 bytes" in proc.stdout
+    assert f"resumed from {copy / 'checkpoints' / 'step_000001'} at step 1" in proc.stdout
+    steps = [json.loads(line)["step"] for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+
+
+def test_full_disk_during_a_save_is_reported_as_enospc(tmp_path):
+    # a 1 MiB tmpfs in a private mount namespace: config and metrics fit, the first checkpoint does not
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+        pytest.skip("needs unshare -rm (user and mount namespaces) for a small private tmpfs")
+    run_dir = tmp_path / "full"
+    run_dir.mkdir()
+    train = " ".join(f"'{a}'" for a in train_command(run_dir, "train.steps=1", "sft.steps=0", "checkpoint.every_steps=1"))
+    proc = _run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs '{run_dir}' && exec {train}"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    [line] = _error_lines(proc.stderr)
+    assert "step_000001.incomplete: no space left on device (ENOSPC)" in line, line
+
+
+def test_training_checkpoint_names_its_model_config_without_template(run_dir):
+    # item 10: the model config of a training checkpoint is its saved training config's model section
+    from gspo_megatron.conversion.offline import export_config
+    from gspo_megatron.trainer.config import load_config
+
+    config, template = export_config(run_dir / "checkpoints" / "step_000002", None)
+    assert config == load_config(DEMO).model.config and template is None
+
+
+def test_converted_checkpoint_evaluates_with_the_training_yaml(tmp_path):
+    import torch
+    import transformers
+
+    from gspo_megatron.trainer.config import load_config
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(load_config(DEMO).model.config.to_hf_config())
+    model.save_pretrained(tmp_path / "hf")
+    assert convert_cli.main(["hf-to-megatron", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "meg"),
+                             "--no-progress"]) == 0
+    data = REPO / "examples" / "data" / "sort" / "eval.jsonl"
+    evaluate = [sys.executable, "-m", "gspo_megatron.cli", "eval", "--checkpoint", str(tmp_path / "meg"), "--dataset",
+                str(data), "--num-prompts", "4", "--k", "1"]
+    without = _run(evaluate)
+    assert without.returncode == 2 and "a converted checkpoint holds no training config" in without.stderr
+    out = tmp_path / "eval.json"
+    proc = _run(evaluate + ["--config", str(DEMO), "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == 4 and 0.0 <= result["eval_accuracy"] <= 1.0
