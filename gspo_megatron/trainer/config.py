@@ -53,6 +53,7 @@ class RolloutSection:
     top_p: float = 1.0
     top_k: int = 0
     logprobs_from: Literal["recompute", "engine"] = "recompute"
+    engine_threads: int = 1  # torch threads of the engine process (train.rollout_mode: overlap)
     sglang: SGLangConfig | None = None  # required with engine: sglang
 
     def validate(self, path: str) -> None:
@@ -61,6 +62,7 @@ class RolloutSection:
         check(self.max_new_tokens >= 1, f"{path}.max_new_tokens", "must be >= 1")
         check(self.temperature > 0, f"{path}.temperature", "must be > 0 for RL sampling")
         check(0 < self.top_p <= 1, f"{path}.top_p", "must be in (0, 1]")
+        check(self.engine_threads >= 1, f"{path}.engine_threads", f"must be >= 1, got {self.engine_threads}")
         check(self.engine != "sglang" or self.sglang is not None, f"{path}.sglang",
               "required with engine: sglang (urls of running servers, or launch settings)")
 
@@ -77,12 +79,17 @@ class TrainSection:
     routing_replay: Literal["off", "r2", "r3"] = "off"
     measure_routing_drift: bool = True
     seed: int = 0
+    # sync: generate, then train on it. overlap: the engine (its own process) generates the next steps'
+    # batches while the trainer updates; a batch is at most max_staleness updates old (trainer/overlap.py)
+    rollout_mode: Literal["sync", "overlap"] = "sync"
+    max_staleness: int = 1
 
     def validate(self, path: str) -> None:
         check(self.steps >= 0, f"{path}.steps", "must be >= 0")
         check(self.prompts_per_step >= 1, f"{path}.prompts_per_step", "must be >= 1")
         check(self.minibatches_per_step >= 1, f"{path}.minibatches_per_step", "must be >= 1")
         check(self.max_tokens_per_microbatch >= 1, f"{path}.max_tokens_per_microbatch", "must be >= 1")
+        check(self.max_staleness >= 0, f"{path}.max_staleness", f"must be >= 0, got {self.max_staleness}")
 
 
 @dataclasses.dataclass
@@ -174,6 +181,9 @@ class TrainConfig:
                   "rollout.sglang.launch.return_original_logprob",
                   f"must be false at rollout.temperature {self.rollout.temperature} (it reports log-probs "
                   "before temperature, not of the distribution sampled from)")
+        # SGLang servers are separate processes already, but the trainer's HTTP calls are synchronous
+        check(self.train.rollout_mode == "sync" or self.rollout.engine == "hf", "train.rollout_mode",
+              "overlap is wired for the transformers engine (rollout.engine: hf) only; use sync with sglang")
         responses = self.train.prompts_per_step * self.rollout.samples_per_prompt
         check(responses >= self.train.minibatches_per_step, "train.minibatches_per_step",
               f"must be <= prompts_per_step x samples_per_prompt = {responses}")

@@ -15,7 +15,6 @@ the rank: each response has its own seed from (train.seed, step, global prompt i
 """
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import time
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.algorithms.advantages import group_advantages
+from gspo_megatron.algorithms.metrics import combine_minibatches
 from gspo_megatron.megatron import checkpoint as ckpt
 from gspo_megatron.megatron import sharding
 from gspo_megatron.megatron.model_config import ModelConfig
@@ -32,6 +32,7 @@ from gspo_megatron.megatron.parallel import initialize_model_parallel
 from gspo_megatron.batching import TrainSequence, iter_minibatches, split_for_data_parallel
 from gspo_megatron.megatron.policy_model import PolicyModel
 from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, staleness
 from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
 from gspo_megatron.trainer.run_dir import claim as claim_run_dir
 from gspo_megatron.trainer.run_dir import on_main_rank
@@ -80,6 +81,11 @@ class Trainer:
         # How this rank reaches SGLang servers: set by the first _build_engine (a collective over all
         # ranks), reused by rebuilds after a failure, which run on the failed ranks only.
         self._sglang_rank = None
+        overlap = config.train.rollout_mode == "overlap"
+        self.ahead = RolloutAhead(config.train.max_staleness) if overlap else None
+        if overlap:
+            # the engine process takes its own cores (rollout/process_engine.py)
+            torch.set_num_threads(max(1, torch.get_num_threads() - config.rollout.engine_threads))
         self.engine = self._build_engine()
         self.train_data, self.eval_data = load_prompt_datasets(config.data, self.tokenizer)
         self.prompts = PromptIterator(self.train_data, config.train.prompts_per_step, seed=config.data.seed,
@@ -129,6 +135,11 @@ class Trainer:
         return self.config.model.config
 
     def _build_engine(self):
+        if self.config.rollout.engine == "hf" and self.ahead is not None:
+            from gspo_megatron.rollout.process_engine import EngineSpec, ProcessRolloutEngine
+
+            return ProcessRolloutEngine(EngineSpec(self.model_config.to_hf_config(), init_seed=self.config.model.init_seed,
+                                                   threads=self.config.rollout.engine_threads))
         if self.config.rollout.engine == "hf":
             from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
@@ -195,13 +206,24 @@ class Trainer:
         rank: a list (in prompt order) of (prompt sample, [sample x G], [reward x G]). ``routed_experts``:
         the engine also returns the experts of every fed position (Routing Replay R3). ``seed`` must be the
         same on every rank: with the prompts' global indices it seeds each sample (layout-independent)."""
+        mine, params = self._sampling(prompts, seed, temperature, max_new_tokens, routed_experts)
+        samples = self._generate([p.prompt_ids for p in mine], samples_per_prompt, params)
+        return self._score_and_gather(mine, samples, samples_per_prompt)
+
+    def _sampling(self, prompts, seed: int, temperature: float, max_new_tokens: int,
+                  routed_experts: bool) -> tuple[list, SamplingParams]:
+        """This DP rank's share of ``prompts`` and its sampling parameters (``prompt_offset``: the global
+        index of its first prompt, so each sample's seed does not depend on the layout)."""
         r = self.config.rollout
         mine = split_for_data_parallel(prompts, self.dp_size, self.dp_rank)
         first = split_for_data_parallel(range(len(prompts)), self.dp_size, self.dp_rank)[:1]
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=r.top_p,
                                 top_k=r.top_k, stop_token_ids=[self.tokenizer.eos_token_id], seed=seed,
                                 prompt_offset=first[0] if first else 0, return_routed_experts=routed_experts)
-        samples = self._generate([p.prompt_ids for p in mine], samples_per_prompt, params)
+        return mine, params
+
+    def _score_and_gather(self, mine, samples, samples_per_prompt: int):
+        """Rewards of this rank's samples, then the whole batch on every rank (see ``rollout``)."""
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         batch = [(mine[i // samples_per_prompt], t) for i, t in enumerate(texts)]
         rewards, reward_metrics = self.rewards.score(batch) if batch else ([], {})
@@ -220,19 +242,25 @@ class Trainer:
 
     MAX_ENGINE_RESTARTS_PER_CALL = 2
 
-    def _generate(self, prompt_ids, samples_per_prompt: int, params: SamplingParams):
+    def _generate(self, prompt_ids, samples_per_prompt: int, params: SamplingParams, flight: InFlight | None = None):
         """engine.generate, restarting failed engines (rebuilt, weights re-synced from the policy) up to
         MAX_ENGINE_RESTARTS_PER_CALL times; each rebuilt engine is counted in faults/engine_restarts. When
         it still fails, the last error propagates with the restart count in the message.
 
         Every rank calls this, with or without prompts: the re-sync is a collective over the model's
         groups, so one all-reduce per attempt tells every rank whether any engine failed, the failed ranks
-        rebuild theirs, and all ranks re-sync together (the healthy engines get the same weights again)."""
+        rebuild theirs, and all ranks re-sync together (the healthy engines get the same weights again).
+
+        ``flight`` (overlap mode): the batch was submitted ahead; its result is taken first. After a restart
+        it is generated again with the current weights, and so are the batches queued behind it."""
         for attempt in range(self.MAX_ENGINE_RESTARTS_PER_CALL + 1):
             samples, error = [], None
             if prompt_ids:
                 try:
-                    samples = self.engine.generate(prompt_ids, samples_per_prompt, params)
+                    if flight is not None and flight.request_id is not None and attempt == 0:
+                        samples = self.engine.result(flight.request_id).samples
+                    else:
+                        samples = self.engine.generate(prompt_ids, samples_per_prompt, params)
                 except Exception as err:  # noqa: BLE001 - contained: counted, engine rebuilt, re-raised at the limit
                     error = err
             failed = torch.tensor([0 if error is None else 1])
@@ -249,7 +277,45 @@ class Trainer:
                 self.engine = self._build_engine()
             self.sync_weights()
             self.faults["engine_restarts"] += int(failed)
+            if flight is not None:
+                flight.version = self.step + 1  # generated again by the weights just re-synced
+                self._resubmit_ahead(rebuilt=error is not None)
         raise AssertionError("unreachable")
+
+    # ---- overlapped rollouts (train.rollout_mode: overlap; trainer/overlap.py) ---------------------
+    def _flight_sampling(self, flight: InFlight) -> tuple[list, SamplingParams]:
+        cfg = self.config
+        return self._sampling(flight.prompts, step_seed(cfg.train.seed, flight.step, 1), cfg.rollout.temperature,
+                              cfg.rollout.max_new_tokens, routed_experts=cfg.train.routing_replay == "r3")
+
+    def _submit(self, flight: InFlight) -> int | None:
+        mine, params = self._flight_sampling(flight)
+        if not mine:
+            return None
+        return self.engine.submit([p.prompt_ids for p in mine], self.config.rollout.samples_per_prompt, params)
+
+    def _resubmit_ahead(self, rebuilt: bool) -> None:
+        """After an engine restart every queued batch is generated again with the current weights (a rebuilt
+        engine lost its requests; a healthy one drops the old results), so all ranks stay on one version."""
+        for queued in self.ahead.queue:
+            if queued.samples is not None:
+                continue
+            if queued.request_id is not None and not rebuilt:
+                self.engine.cancel(queued.request_id)
+            queued.request_id, queued.version = self._submit(queued), self.step + 1
+
+    def _rollout_ahead(self) -> tuple[list, dict[str, float], int]:
+        """Steps 1-2 in overlap mode: keep the next ``max_staleness`` steps' batches generating, take this
+        step's, score it. Returns (batch, reward metrics, staleness)."""
+        self.ahead.top_up(self.step, lambda: next(self.prompts), self._submit)
+        flight = self.ahead.pop(self.step)
+        mine, params = self._flight_sampling(flight)
+        if flight.samples is None:
+            flight.samples = self._generate([p.prompt_ids for p in mine], self.config.rollout.samples_per_prompt,
+                                            params, flight=flight)
+        age = staleness(self.step + 1, flight.version, self.ahead.max_staleness, flight.step)
+        batch, reward_metrics = self._score_and_gather(mine, flight.samples, self.config.rollout.samples_per_prompt)
+        return batch, reward_metrics, age
 
     def train_step(self) -> dict[str, float]:
         """One GSPO step, the paper's order: 1-2 rollout of G samples per prompt and their rewards; 3 group
@@ -263,11 +329,14 @@ class Trainer:
         t0 = time.perf_counter()
 
         # 1-2. rollout and rewards
-        prompts = next(self.prompts)
         replay = cfg.train.routing_replay  # off | r2 (old-policy forward's experts) | r3 (the engine's)
-        batch, reward_metrics = self.rollout(prompts, step_seed(cfg.train.seed, self.step, 1), G,
-                                             cfg.rollout.temperature, cfg.rollout.max_new_tokens,
-                                             routed_experts=replay == "r3")
+        if self.ahead is None:
+            batch, reward_metrics = self.rollout(next(self.prompts), step_seed(cfg.train.seed, self.step, 1), G,
+                                                 cfg.rollout.temperature, cfg.rollout.max_new_tokens,
+                                                 routed_experts=replay == "r3")
+            age = 0
+        else:
+            batch, reward_metrics, age = self._rollout_ahead()
         timings["time_rollout_s"] = time.perf_counter() - t0
 
         # 3. group advantages (Eq. 6) over whole groups
@@ -302,9 +371,11 @@ class Trainer:
         metrics["sync_bytes_per_s"] = sync["sync_bytes_per_s"]
 
         # 8. metrics
-        metrics.update(_mean_dicts(update_metrics))
+        metrics.update(combine_minibatches(update_metrics))
         metrics.update(_batch_metrics(batch, rewards, adv.zero_variance))
-        metrics.update(_logprob_gap(my_seqs, self.policy.groups.data_parallel))
+        metrics["staleness"] = float(age)
+        if self.ahead is not None:
+            metrics.update({f"{k}/staleness{age}": v for k, v in list(metrics.items()) if k.startswith("clip_frac")})
         metrics.update({f"reward/{k}": v for k, v in reward_metrics.items()})
         metrics.update(timings)
         total = time.perf_counter() - t0
@@ -419,6 +490,12 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         meta = {"step": self.step, "data": self.prompts.state_dict(), "faults": self.faults,
                 "config": to_dict(self.config)}
+        if self.ahead is not None:
+            # the batches already generated ahead belong to the run: the resumed run consumes the same ones
+            self.ahead.complete(lambda request_id: self.engine.result(request_id).samples)
+            parts = [None] * self.dp_size
+            dist.all_gather_object(parts, self.ahead.state_dict(), group=self.policy.groups.data_parallel)
+            meta["rollout_ahead"] = {"dp_size": self.dp_size, "ranks": parts}
         path = ckpt.save(self._sharded_state(), self.checkpoint_dir(self.step), common=meta, overwrite=True)
         if self.is_main:
             done = sorted(p for p in path.parent.iterdir() if p.name.startswith("step_") and p.suffix == "")
@@ -449,8 +526,20 @@ class Trainer:
         self.step = int(meta["step"])
         self.prompts.load_state_dict(meta["data"])
         self.faults.update(meta["faults"])
+        self._load_rollout_ahead(meta.get("rollout_ahead"), path)
         if self.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
+
+    def _load_rollout_ahead(self, saved: dict | None, path: Path) -> None:
+        if saved is None or not any(saved["ranks"]):
+            return
+        if self.ahead is None:
+            raise ValueError(f"{path}: the checkpoint holds batches generated ahead (train.rollout_mode: overlap); "
+                             "resume it with train.rollout_mode=overlap")
+        if saved["dp_size"] != self.dp_size:
+            raise ValueError(f"{path}: the batches generated ahead were split over {saved['dp_size']} data-parallel "
+                             f"ranks, this run has {self.dp_size}; resume at the same data-parallel size")
+        self.ahead.load_state_dict(saved["ranks"][self.dp_rank], self.train_data)
 
     # ---- the loop --------------------------------------------------------------------------------
     def preempted(self) -> bool:
@@ -513,42 +602,3 @@ def _batch_metrics(batch, rewards: torch.Tensor, zero_variance: torch.Tensor) ->
             "accuracy": float((rewards >= 1.0).float().mean()),
             "zero_variance_group_frac": float(zero_variance.float().mean()),
             "response_length_mean": float(lengths.mean())}
-
-
-def _mean_dicts(parts: list[dict[str, float]]) -> dict[str, float]:
-    keys = {k for p in parts for k in p}
-    out = {}
-    for key in keys:
-        values = [p[key] for p in parts if key in p and math.isfinite(p[key])]
-        out[key] = sum(values) / len(values) if values else float("nan")
-    if "clip_frac_low_seq" in out and "clip_frac_high_seq" in out:
-        out["clip_frac_seq"] = out["clip_frac_low_seq"] + out["clip_frac_high_seq"]
-    if "clip_frac_low_token" in out and "clip_frac_high_token" in out:
-        out["clip_frac_token"] = out["clip_frac_low_token"] + out["clip_frac_high_token"]
-    return out
-
-
-def _logprob_gap(seqs: list[TrainSequence], dp_group) -> dict[str, float]:
-    """Training/inference mismatch over the whole rollout batch (all DP ranks): per response token
-    |log pi_old (training model) - log pi_rollout (engine)|, mean and max."""
-    from gspo_megatron.rollout.logprob_gap import GapSums, finalize, gap_sums
-
-    pairs = [(q.old_logprobs, q.rollout_logprobs) for q in seqs
-             if q.old_logprobs is not None and q.rollout_logprobs is not None and q.response_len > 0]
-    if pairs:
-        train = torch.cat([a for a, _ in pairs])[None]
-        rollout = torch.cat([b for _, b in pairs])[None]
-        sums = gap_sums(train, rollout, torch.ones_like(train, dtype=torch.bool))
-    else:
-        zero = torch.zeros((), dtype=torch.float64)
-        sums = GapSums(zero, zero.clone(), zero.clone(), zero.clone())
-    if dist.get_world_size(dp_group) > 1:
-        total = torch.stack([sums.sum_abs, sums.sum_signed, sums.num_tokens.to(torch.float64)])
-        dist.all_reduce(total, group=dp_group)
-        peak = sums.max_abs.clone()
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dp_group)
-        sums = GapSums(total[0], total[1], peak, total[2])
-    if int(sums.num_tokens) == 0:
-        return {}
-    gap = finalize(sums)
-    return {"logprob_gap_mean": gap.mean_abs, "logprob_gap_max": gap.max_abs, "logprob_gap_signed": gap.mean_signed}
