@@ -21,7 +21,10 @@ Phases (what each figure covers):
               ``Trainer`` optimizer steps: forward, loss, backward, clipping, AdamW, callbacks)
   sync        ours only: pushing the new weights into the rollout engine (TRL samples with the
               training model itself)
-  step        wall time of the whole step (ours: ``time_step_s``; TRL: four optimizer steps)
+  step        wall time of the whole step (ours: ``time_step_s``; TRL: four optimizer steps). With
+              ``--override train.rollout_mode=overlap`` ours is the pipeline's period: the step plus the
+              wait for the batch the engine process generates ahead (``overlap_drain``), so our engine
+              never runs during TRL's step; ``generation`` is then the wait for a batch, not its cost
 
     .venv/bin/python benchmarks/bench_trl.py [--steps 40] [--warmup 3] [--threads 1]
                                              [--out benchmarks/results/trl.json]
@@ -242,11 +245,18 @@ def run_ours(args: argparse.Namespace) -> None:
         generate_s[0] = 0.0
         t = time.perf_counter()
         metrics = trainer.train_step()
+        drain = time.perf_counter()
+        if trainer.ahead is not None:
+            # overlap: the engine process must be idle before the other side steps, so the batch it generates
+            # ahead is finished inside our step (the next step then finds it ready): step = the pipeline's period
+            trainer.ahead.complete(lambda request_id: trainer.engine.result(request_id).samples)
+        drain = time.perf_counter() - drain
         wall = time.perf_counter() - t
         trainer.step += 1
         emit({"generation": metrics["time_rollout_s"], "generate_only": generate_s[0],
               "logprobs": metrics["time_logprobs_s"], "update": metrics["time_update_s"],
-              "sync": metrics["time_sync_s"], "step": metrics["time_step_s"], "wall": wall,
+              "sync": metrics["time_sync_s"], "step": wall if trainer.ahead is not None else metrics["time_step_s"],
+              "wall": wall, "overlap_drain": drain,
               "reward_mean": metrics["reward_mean"], "response_length_mean": metrics["response_length_mean"],
               "clip_frac_seq": metrics["clip_frac_seq"]})
     trainer.close()
