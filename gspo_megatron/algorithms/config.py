@@ -30,10 +30,15 @@ class LossConfig:
     aggregation:             grpo only: seq_mean_token_mean | token_mean | token_sum (Dr. GRPO, divides
                              by num_seqs * constant_length_tokens); GSPO is always a mean over sequences;
     constant_length_tokens:  the constant length of token_sum (e.g. the maximum response length);
-    kl_coef, kl_estimator:   KL(pi_theta || pi_ref) penalty weight (0 = off) and its estimator;
+    kl_coef, kl_estimator:   KL(pi_theta || pi_ref) penalty weight (0 = off) and its estimator (k3, the
+                             default, is unbiased in value, not in gradient: as a loss its expected
+                             gradient is that of KL(pi_ref || pi_theta); k2's is that of KL(pi_theta ||
+                             pi_ref); see kl.py);
     entropy_coef:            entropy bonus weight (0 = off);
     tis_mode, tis_cap:       truncated importance sampling for the train/inference mismatch, weight
-                             min(pi_old / pi_rollout, tis_cap) per sequence (length-normalised) or per token;
+                             min(pi_old / pi_rollout, tis_cap) per token, or per sequence as the
+                             *geometric* mean of the token ratios (``sequence``: length-normalised, the
+                             "geometric" sequence TIS of the literature, not the product of the ratios);
     advantage_estimator, advantage_eps, advantage_batch_norm: see ``advantages.group_advantages``.
     """
 

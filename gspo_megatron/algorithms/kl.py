@@ -4,7 +4,11 @@ With log r_t = log pi_ref(y_t) - log pi_theta(y_t) and y_t sampled from (approxi
 
 * k1 = -log r                 unbiased, can be negative, high variance;
 * k2 = (log r)^2 / 2          biased, always >= 0, low variance;
-* k3 = r - 1 - log r          unbiased, always >= 0, low variance (the common default).
+* k3 = r - 1 - log r          unbiased in value, always >= 0, low variance (the common default).
+
+Unbiased in value, not in gradient: used as a loss term (samples fixed, differentiated through
+log pi_theta), the expected gradient of k1 is 0, that of k3 is the gradient of the *reverse* KL(pi_ref ||
+pi_theta), and only k2's is the gradient of KL(pi_theta || pi_ref). All three are exact as metrics.
 
 The paper trains GSPO without a KL term and its first author recommends coefficient 0; it is offered
 for experiments and as a metric (``kl_mean``) whenever reference log-probs are given.
