@@ -61,7 +61,8 @@ def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
 def expand(config: ModelConfig) -> list[Entry]:
     """Every canonical tensor of ``config`` with its HF tensors, in HF order (embedding, layer by layer
     with experts in order inside each layer, final norm, output layer)."""
-    rules = [r for r in family_table(config) if not (r.untied_only and config.tie_word_embeddings)]
+    rules = [r for r in family_table(config) if not (r.untied_only and config.tie_word_embeddings)
+             and (r.when is None or getattr(config, r.when))]
     entries: list[Entry] = []
 
     def add(rule: Rule, layer: int | None = None, expert: int | None = None) -> None:
@@ -72,8 +73,9 @@ def expand(config: ModelConfig) -> list[Entry]:
         if "{layer}" not in rule.megatron and rule.megatron.startswith("embedding"):
             add(rule)
     for layer in range(config.num_layers):
+        kind = "moe" if config.is_moe_layer(layer) else "dense"
         for rule in rules:
-            if "{layer}" not in rule.megatron:
+            if "{layer}" not in rule.megatron or rule.layers not in ("all", kind):
                 continue
             if "{expert}" in rule.megatron:
                 for expert in range(config.num_experts):
@@ -102,6 +104,8 @@ def validate_layout(config: ModelConfig, tensor_parallel: int = 1, pipeline_para
     if config.is_moe:
         checks += [("ep", expert_parallel, "num_experts", config.num_experts),
                    ("tp", tensor_parallel, "moe_ffn_hidden_size", config.moe_ffn_hidden_size)]
+        if config.first_dense_layers:
+            checks.append(("tp", tensor_parallel, "ffn_hidden_size", config.ffn_hidden_size))
         if config.moe_shared_expert_intermediate_size:
             checks.append(("tp", tensor_parallel, "moe_shared_expert_intermediate_size",
                            config.moe_shared_expert_intermediate_size))

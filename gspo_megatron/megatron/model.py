@@ -30,7 +30,13 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtyp
             moe_ffn_hidden_size=model.moe_ffn_hidden_size,
             moe_router_topk=model.moe_router_topk,
             moe_router_pre_softmax=not model.norm_topk_prob,
-            moe_router_score_function="softmax",
+            moe_router_score_function=model.moe_router_score_function,
+            moe_router_enable_expert_bias=model.moe_router_expert_bias,
+            moe_router_bias_update_rate=0.0,  # the expert bias is frozen during RL (docs/conversion.md)
+            moe_router_topk_scaling_factor=(model.moe_router_topk_scaling_factor
+                                            if model.moe_router_topk_scaling_factor != 1.0 else None),
+            # a list makes Megatron key every layer separately in checkpoints: only when layers differ
+            moe_layer_freq=model.moe_layer_pattern() if model.first_dense_layers else 1,
             moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=model.moe_aux_loss_coeff,
             # alltoall creates a CUDA stream in its constructor; allgather is exact and fine at small scale.
@@ -95,14 +101,15 @@ def _replace_in_spec(spec, old: type, new: type):
     return spec
 
 
-def local_layer_spec(model: ModelConfig, fast_modules: bool = True):
+def local_layer_spec(model: ModelConfig, fast_modules: bool = True, moe: bool | None = None):
     """One decoder layer of Megatron's local (non-TE) spec for ``model``, as used on CPU.
 
     Every norm slot holds the sequence-parallel-capable RMSNorm (``cpu_runtime``). With ``fast_modules``
     the core attention is ``cpu_modules.SDPAttention`` and the experts ``cpu_modules.FunctionalSequentialMLP``:
     subclasses of Megatron's ``DotProductAttention`` / ``SequentialMLP`` with the same parameters and state
     dict and a cheaper forward (``docs/cpu-runtime.md``). ``fast_modules=False`` keeps Megatron's own
-    modules (the reference in tests and benchmarks).
+    modules (the reference in tests and benchmarks). ``moe`` picks the MoE or the dense-MLP layer (default:
+    the model's kind; models with ``first_dense_layers`` have both).
     """
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -111,8 +118,9 @@ def local_layer_spec(model: ModelConfig, fast_modules: bool = True):
 
     from gspo_megatron.megatron import cpu_modules
 
+    moe = model.is_moe if moe is None else moe
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=model.num_experts if model.is_moe else None, moe_grouped_gemm=False,
+        num_experts=model.num_experts if moe else None, moe_grouped_gemm=False,
         qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
     spec = _replace_in_spec(spec, WrappedTorchNorm, cpu_runtime.local_norm_class())
     if fast_modules:
@@ -132,11 +140,21 @@ def layer_spec(model: ModelConfig, config, fast_cpu_modules: bool = True):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=model.num_experts if model.is_moe else None, moe_grouped_gemm=model.is_moe,
             qk_layernorm=model.qk_layernorm)
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    spec = local_layer_spec(model, fast_cpu_modules)
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+    specs = {moe: local_layer_spec(model, fast_cpu_modules, moe) for moe in {model.is_moe, model.is_moe_layer(0)}}
+    return TransformerBlockSubmodules(layer_specs=stage_layer_specs(model, config, specs),
                                       layer_norm=cpu_runtime.local_norm_class())
+
+
+def stage_layer_specs(model: ModelConfig, config, specs: dict) -> list:
+    """The layer specs of this pipeline stage's layers, ``specs[True]`` for MoE layers and ``specs[False]``
+    for dense ones (``ModelConfig.is_moe_layer`` of the global layer number)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config)
+    return [specs[model.is_moe_layer(offset + i)] for i in range(get_num_layers_to_build(config))]
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32,
@@ -164,6 +182,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: torc
         share_embeddings_and_output_weights=model.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(model.rope_theta),
+        rotary_percent=model.rotary_percent,
         rope_scaling=model.rope_llama3_factor > 0,
         rope_scaling_factor=model.rope_llama3_factor or 8.0,
     )

@@ -41,6 +41,13 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
     moe_shared_expert_intermediate_size: int = 0  # width of the shared expert beside the routed ones (0: none)
     moe_shared_expert_gate: bool = False  # shared expert output scaled by sigmoid(gate . x) (Qwen2-MoE)
+    first_dense_layers: int = 0  # leading layers with a dense MLP (ffn_hidden_size) before the MoE layers
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    # A per-expert bias added to the sigmoid scores for choosing experts only (DeepSeek-V3's
+    # e_score_correction_bias). Megatron keeps it as a buffer; RL keeps it frozen (update rate 0).
+    moe_router_expert_bias: bool = False
+    moe_router_topk_scaling_factor: float = 1.0  # routed_scaling_factor: the top-k weights are multiplied by it
+    rotary_percent: float = 1.0  # fraction of each head's dims that RoPE rotates (the first ones)
     moe_aux_loss_coeff: float = 0.0  # load-balancing loss; off by default for RL
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
@@ -69,8 +76,23 @@ class ModelConfig:
                   f"must be >= 0, got {self.moe_shared_expert_intermediate_size}")
             check(not self.moe_shared_expert_gate or self.moe_shared_expert_intermediate_size > 0,
                   f"{path}.moe_shared_expert_gate", "needs a shared expert (moe_shared_expert_intermediate_size > 0)")
-        else:
+            check(0 <= self.first_dense_layers < self.num_layers, f"{path}.first_dense_layers",
+                  f"must be in [0, num_layers={self.num_layers}), got {self.first_dense_layers}")
+            if self.first_dense_layers:
+                check(self.ffn_hidden_size >= 1, f"{path}.ffn_hidden_size", "must be >= 1 for the dense layers")
+            check(not self.moe_router_expert_bias or self.moe_router_score_function == "sigmoid",
+                  f"{path}.moe_router_expert_bias", "needs moe_router_score_function='sigmoid'")
+            # Megatron renormalises sigmoid top-k weights whenever k > 1
+            check(self.moe_router_score_function == "softmax" or self.moe_router_topk == 1 or self.norm_topk_prob,
+                  f"{path}.norm_topk_prob", "must be true with the sigmoid router (Megatron renormalises its top-k)")
+            check(self.moe_router_topk_scaling_factor > 0, f"{path}.moe_router_topk_scaling_factor", "must be > 0")
+        rotary_dims = self.head_dim * self.rotary_percent
+        check(0 < self.rotary_percent <= 1 and rotary_dims == int(rotary_dims) and int(rotary_dims) % 2 == 0,
+              f"{path}.rotary_percent", f"head_dim={self.head_dim} x rotary_percent={self.rotary_percent} must be "
+              f"an even number of dims in (0, head_dim]")
+        if not self.is_moe:
             check(self.ffn_hidden_size >= 1, f"{path}.ffn_hidden_size", "must be >= 1 for a dense model")
+            check(self.first_dense_layers == 0, f"{path}.first_dense_layers", "must be 0 for a dense model")
         check(self.rms_norm_eps > 0, f"{path}.rms_norm_eps", "must be > 0")
         check(self.rope_theta > 0, f"{path}.rope_theta", "must be > 0")
         check(self.make_vocab_size_divisible_by >= 1, f"{path}.make_vocab_size_divisible_by",
@@ -79,6 +101,14 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` (0-based) has the MoE block (else the dense MLP)."""
+        return self.is_moe and layer >= self.first_dense_layers
+
+    def moe_layer_pattern(self) -> list[int]:
+        """Megatron's ``moe_layer_freq`` as a 0/1 list over the layers."""
+        return [int(self.is_moe_layer(layer)) for layer in range(self.num_layers)]
 
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
         """Rows of the embedding/output matrices, as Megatron-LM pads them: the vocabulary rounded up to
@@ -98,14 +128,12 @@ class ModelConfig:
             attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads)
         if self.qk_layernorm:
             attn += 2 * d
-        if self.is_moe:
-            mlp = self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
-            mlp += 3 * h * self.moe_shared_expert_intermediate_size + (h if self.moe_shared_expert_gate else 0)
-        else:
-            mlp = 3 * h * self.ffn_hidden_size
-        per_layer = attn + mlp + 2 * h
+        moe = self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
+        moe += 3 * h * self.moe_shared_expert_intermediate_size + (h if self.moe_shared_expert_gate else 0)
+        dense = 3 * h * self.ffn_hidden_size
+        mlps = sum(moe if self.is_moe_layer(layer) else dense for layer in range(self.num_layers))
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        return self.num_layers * (attn + 2 * h) + mlps + embed + h
 
     # ---- Hugging Face (the per-family mapping lives in gspo_megatron/models/) -------------------------
     def to_hf_dict(self) -> dict[str, Any]:

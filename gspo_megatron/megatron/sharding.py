@@ -27,6 +27,7 @@ _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 # SwiGLU's fused [gate; up]: "linear_fc1.weight" (local spec) or "linear_fc1.weight{e}" (TE grouped experts)
 _FUSED_FC1 = re.compile(r"linear_fc1\.weight\d*$")
+_EXPERT_BIAS = ".mlp.router.expert_bias"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +63,9 @@ def canonical_name(local_name: str, model: torch.nn.Module) -> str:
         name = f"decoder.layers.{layer.layer_number - 1}." + name[match.end():]
     match = _EXPERT.search(name)
     if match:
-        experts = _unwrap(model).decoder.layers[0].mlp.experts
-        global_expert = ps.get_expert_model_parallel_rank() * experts.num_local_experts + int(match.group(1))
+        # from the config: layer 0 may be dense (first_dense_layers)
+        num_local = _unwrap(model).config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+        global_expert = ps.get_expert_model_parallel_rank() * num_local + int(match.group(1))
         name = name[:match.start()] + f".mlp.experts.local_experts.{global_expert}." + name[match.end():]
     return name
 
@@ -78,7 +80,9 @@ def shard_infos(model: torch.nn.Module) -> Iterator[tuple[ShardInfo, torch.nn.Pa
     """(ShardInfo, parameter) for every parameter of this rank's model chunk."""
     gpt = _unwrap(model)
     gated = gpt.config.gated_linear_unit
-    for local_name, param in gpt.named_parameters():
+    # the routers' expert bias is a buffer (frozen during RL) but a weight of the model all the same
+    expert_bias = [(name, buf) for name, buf in gpt.named_buffers() if name.endswith(_EXPERT_BIAS)]
+    for local_name, param in [*gpt.named_parameters(), *expert_bias]:
         is_expert = ".mlp.experts." in local_name
         _, tp_rank, tp_size = _groups(is_expert)
         if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:

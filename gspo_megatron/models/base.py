@@ -38,7 +38,9 @@ class ExpertCheckpointNames:
 class EngineFacts:
     """What the transformers rollout engine needs to know beyond the modules it finds in the model."""
 
-    qk_norm: bool  # per-head RMSNorm of queries and keys before the rotary embedding
+    # per-head RMSNorm of queries and keys before the rotary embedding: always, never, or as the HF config
+    # flag of this name says (GLM-4.5's use_qk_norm)
+    qk_norm: bool | str
     expert_names: ExpertCheckpointNames | None = None  # None for dense families
 
 
@@ -78,6 +80,7 @@ class Family:
     write_hf: Callable[[Any], dict[str, Any]] | None = None
     must_be: Mapping[str, list] = dataclasses.field(default_factory=dict)  # field -> values we can represent
     rope_types: tuple[str, ...] = ("default",)
+    partial_rotary: bool = False  # may rotate only the first partial_rotary_factor of each head's dims
     qkv_bias: bool = False
     qk_layernorm: bool = False
 
@@ -97,6 +100,10 @@ class Family:
         heads = int(reader.get("num_attention_heads"))
         hidden = int(reader.get("hidden_size"))
         rope_theta, llama3_factor = read_rope(reader, self.rope_types)
+        rotary_percent = read_partial_rotary(reader)
+        if rotary_percent != 1.0 and not self.partial_rotary:
+            raise reader.error("partial_rotary_factor", f"partial rotary embeddings are not supported for "
+                               f"{self.model_type}, got {rotary_percent}")
         kwargs: dict[str, Any] = dict(
             architecture=self.model_type,
             vocab_size=int(reader.get("vocab_size")),
@@ -108,6 +115,7 @@ class Family:
             rms_norm_eps=float(reader.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_llama3_factor=llama3_factor,
+            rotary_percent=rotary_percent,
             max_position_embeddings=int(reader.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(reader.get("tie_word_embeddings", False)),
             init_method_std=float(reader.get("initializer_range", 0.02)),
@@ -138,6 +146,8 @@ class Family:
         rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
         if config.rope_llama3_factor > 0:
             rope.update(rope_type="llama3", factor=config.rope_llama3_factor, **LLAMA3_ROPE_DEFAULTS)
+        if config.rotary_percent != 1.0:
+            rope["partial_rotary_factor"] = config.rotary_percent
         common["rope_parameters"] = rope
         common.update(self.write_hf(config))
         return common
@@ -162,6 +172,12 @@ def read_rope(reader: HFReader, rope_types: tuple[str, ...]) -> tuple[float, flo
                                    f"{key}={value} only, got {params.get(key)}")
         return theta, float(params["factor"])
     raise reader.error("rope_parameters.rope_type", f"unsupported RoPE type {rope_type!r} for {reader.model_type}")
+
+
+def read_partial_rotary(reader: HFReader) -> float:
+    """``partial_rotary_factor`` from ``rope_parameters`` (transformers 5) or the top level (older files)."""
+    params = reader.hf.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", reader.hf.get("partial_rotary_factor") or 1.0))
 
 
 def dense_fields(reader: HFReader) -> dict[str, Any]:

@@ -15,6 +15,8 @@ class Rule:
     hf: tuple[str, ...]
     transform: str = "identity"  # "identity" | "qkv" | "gate_up"
     untied_only: bool = False  # absent when the output layer shares the embedding
+    layers: str = "all"  # per-layer rows: "all", "dense" (dense-MLP layers only) or "moe" (MoE layers only)
+    when: str | None = None  # a ModelConfig field that must be true (non-zero) for the row to exist
 
 
 L = "decoder.layers.{layer}."
@@ -38,8 +40,9 @@ QK_NORM = (
     Rule(L + "self_attention.k_layernorm.weight", (H + "self_attn.k_norm.weight",)),
 )
 DENSE_MLP = (
-    Rule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), "gate_up"),
-    Rule(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",)),
+    Rule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), "gate_up",
+         layers="dense"),
+    Rule(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",), layers="dense"),
 )
 FINAL = (
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
@@ -52,10 +55,14 @@ def routed_experts(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...
     projections ``gate`` / ``up`` / ``down`` (``{block}.experts.{E}.{gate}.weight``)."""
     x = H + block + ".experts.{expert}."
     return (
-        Rule(L + "mlp.router.weight", (H + block + ".gate.weight",)),
-        Rule(E + "linear_fc1.weight", (x + gate + ".weight", x + up + ".weight"), "gate_up"),
-        Rule(E + "linear_fc2.weight", (x + down + ".weight",)),
+        Rule(L + "mlp.router.weight", (H + block + ".gate.weight",), layers="moe"),
+        Rule(E + "linear_fc1.weight", (x + gate + ".weight", x + up + ".weight"), "gate_up", layers="moe"),
+        Rule(E + "linear_fc2.weight", (x + down + ".weight",), layers="moe"),
     )
+
+
+# The router's selection-only expert bias (a Megatron buffer, frozen during RL), stored as fp32 in HF.
+EXPERT_BIAS = (Rule(L + "mlp.router.expert_bias", (H + "mlp.gate.e_score_correction_bias",), layers="moe"),)
 
 
 def shared_expert(block: str, gate: str | None = None) -> tuple[Rule, ...]:
@@ -63,9 +70,9 @@ def shared_expert(block: str, gate: str | None = None) -> tuple[Rule, ...]:
     ``{block}.{gate,up,down}_proj``, and with ``gate`` the name of its [1, hidden] sigmoid gate."""
     rows = (
         Rule(L + "mlp.shared_experts.linear_fc1.weight",
-             (H + block + ".gate_proj.weight", H + block + ".up_proj.weight"), "gate_up"),
-        Rule(L + "mlp.shared_experts.linear_fc2.weight", (H + block + ".down_proj.weight",)),
+             (H + block + ".gate_proj.weight", H + block + ".up_proj.weight"), "gate_up", layers="moe"),
+        Rule(L + "mlp.shared_experts.linear_fc2.weight", (H + block + ".down_proj.weight",), layers="moe"),
     )
     if gate is not None:
-        rows += (Rule(L + "mlp.shared_experts.gate_weight", (H + gate + ".weight",)),)
+        rows += (Rule(L + "mlp.shared_experts.gate_weight", (H + gate + ".weight",), layers="moe"),)
     return rows

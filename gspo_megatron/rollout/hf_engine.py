@@ -1,7 +1,8 @@
 """In-process rollout engine on a transformers model: the CPU default of gspo-megatron.
 
 ``HFRolloutEngine`` holds a ``transformers`` causal LM of one of the Llama-style decoder families
-(Qwen3-MoE, Qwen3, Qwen2, Qwen2-MoE, Llama, Mixtral) and implements ``RolloutEngine``:
+(Qwen3-MoE, Qwen3, Qwen2, Qwen2-MoE, Llama, Mixtral, GLM-4.5; ``gspo_megatron/models/``) and implements
+``RolloutEngine``:
 
 - ``generate``: batched sampling with a preallocated KV cache. Prompts of different lengths are left-padded
   and prefilled once per prompt; the cache is then copied ``samples_per_prompt`` times. Rows that sample a
@@ -120,10 +121,16 @@ def _read_arch(model: transformers.PreTrainedModel) -> _Arch:
         vocab_size=config.vocab_size,
         max_positions=config.max_position_embeddings,
         sliding_window=_sliding_window(config),
-        qk_norm=registry.FAMILIES[config.model_type].engine.qk_norm,
+        qk_norm=_qk_norm(config),
         moe_gates=tuple(block.gate for block in moe_blocks),
         moe_top_k=config.num_experts_per_tok if moe_blocks else 0,
     )
+
+
+def _qk_norm(config: transformers.PretrainedConfig) -> bool:
+    """Whether the family normalises each query/key head: a fixed fact, or a config flag it names."""
+    qk_norm = registry.FAMILIES[config.model_type].engine.qk_norm
+    return bool(getattr(config, qk_norm)) if isinstance(qk_norm, str) else qk_norm
 
 
 def _sliding_window(config: transformers.PretrainedConfig) -> int | None:
@@ -172,7 +179,10 @@ def weight_slots(model: transformers.PreTrainedModel) -> tuple[dict[str, _Weight
     slots: dict[str, _WeightSlot] = {}
     first_name: dict[int, str] = {}
     required: set[str] = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
+    # checkpointed buffers (e.g. a router's e_score_correction_bias) are weights to sync like parameters
+    persistent = model.state_dict().keys()
+    buffers = [(name, buf) for name, buf in model.named_buffers() if name in persistent]
+    for name, param in [*model.named_parameters(remove_duplicate=False), *buffers]:
         if id(param) in first_name:  # tied: accept the alias, require only the first name
             slots[name] = slots[first_name[id(param)]]
             continue
@@ -289,6 +299,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dims of each head (all of them unless the family rotates part)."""
+    dims = cos.shape[-1]
+    if dims == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :dims], x[..., dims:]
+    return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
+
+
 def _attention(
     attn: nn.Module,
     x: torch.Tensor,
@@ -313,8 +332,8 @@ def _attention(
         keys = _rms_norm(attn.k_norm, keys)
     queries = queries.transpose(1, 2)
     keys = keys.transpose(1, 2)
-    queries = queries * cos + _rotate_half(queries) * sin
-    keys = keys * cos + _rotate_half(keys) * sin
+    queries = _rotary(queries, cos, sin)
+    keys = _rotary(keys, cos, sin)
     values = attn.v_proj(x).view(shape).transpose(1, 2)
     all_keys, all_values = cache.write(layer, keys, values)
     out = F.scaled_dot_product_attention(

@@ -39,8 +39,10 @@ def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attention.k_layernorm.weight"] = (d,)
         shapes[p + "self_attention.linear_proj.weight"] = (h, config.num_attention_heads * d)
         shapes[p + "pre_mlp_layernorm.weight"] = (h,)
-        if config.is_moe:
+        if config.is_moe_layer(layer):
             shapes[p + "mlp.router.weight"] = (config.num_experts, h)
+            if config.moe_router_expert_bias:
+                shapes[p + "mlp.router.expert_bias"] = (config.num_experts,)
             for e in range(config.num_experts):
                 q = f"{p}mlp.experts.local_experts.{e}."
                 shapes[q + "linear_fc1.weight"] = (2 * config.moe_ffn_hidden_size, h)

@@ -27,6 +27,13 @@ FAMILIES = {
                       num_key_value_heads=2, head_dim=10, hidden_size=72, num_experts=6, moe_router_topk=3,
                       norm_topk_prob=False, moe_ffn_hidden_size=20, moe_shared_expert_intermediate_size=40,
                       moe_shared_expert_gate=True),
+    # layer 0 dense (ffn 56), layers 1-3 MoE: 6 experts top-2 with a sigmoid router, expert bias and scaling 2.5,
+    # shared expert 24 wide; RoPE on half of each 12-dim head, q/k norm, q/k/v biases
+    "glm4_moe": dict(architecture="glm4_moe", num_layers=4, first_dense_layers=1, ffn_hidden_size=56,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=6, moe_router_topk=2,
+                     moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=24, moe_router_score_function="sigmoid",
+                     moe_router_expert_bias=True, moe_router_topk_scaling_factor=2.5, rotary_percent=0.5,
+                     qkv_bias=True, qk_layernorm=True),
 }
 
 TOKENIZER_FILES = {"tokenizer.json": '{"version": "1.0", "model": {"type": "test"}}\n',
@@ -45,7 +52,9 @@ def make_hf_dir(name: str, directory: Path, dtype: torch.dtype = torch.float32, 
 
     model = transformers.AutoModelForCausalLM.from_config(family_config(name).to_hf_config())
     with torch.no_grad():
-        for pname, param in model.named_parameters():
+        persistent = model.state_dict().keys()  # checkpointed buffers too (e.g. a router's expert bias)
+        buffers = [(name, buf) for name, buf in model.named_buffers() if name in persistent]
+        for pname, param in [*model.named_parameters(), *buffers]:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(pname.encode()))
             noise = torch.randn(param.shape, generator=gen)
             param.copy_(1.0 + 0.1 * noise if "norm" in pname else 0.1 * noise)

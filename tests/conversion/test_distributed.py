@@ -11,7 +11,8 @@ from tests.conversion.workers import EXPORT_BUCKET_BYTES, conversion_checks
 pytestmark = pytest.mark.slow
 
 ATOL = 1e-4  # fp32
-CASES = {"qwen3_moe": ["tp2", "pp2", "ep2"], "llama_tied": ["tp2", "pp2"], "qwen2_moe": ["tp2", "pp2", "ep2"]}
+CASES = {"qwen3_moe": ["tp2", "pp2", "ep2"], "llama_tied": ["tp2", "pp2"], "qwen2_moe": ["tp2", "pp2", "ep2"],
+         "glm4_moe": ["tp2", "pp2", "ep2"]}
 
 
 @pytest.fixture(scope="module")

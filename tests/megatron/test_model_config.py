@@ -15,9 +15,10 @@ def hf_dict(family: str, **overrides) -> dict:
     return d
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3", "qwen2", "llama", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3", "qwen2", "llama", "mixtral", "qwen2_moe", "glm4_moe"])
 def test_round_trip_through_hf_config(model_type):
-    cfg = ModelConfig.from_hf_dict(hf_dict(model_type, num_hidden_layers=3, vocab_size=1000))
+    extra = {"head_dim": 128} if model_type == "glm4_moe" else {}  # its default 4096 / 96 heads is not whole
+    cfg = ModelConfig.from_hf_dict(hf_dict(model_type, num_hidden_layers=3, vocab_size=1000, **extra))
     assert cfg.architecture == model_type and cfg.num_layers == 3 and cfg.vocab_size == 1000
     again = ModelConfig.from_hf_dict(cfg.to_hf_dict())
     assert again == cfg
@@ -45,6 +46,34 @@ def test_qwen2_moe_fields():
     # the shared expert (3 matrices) and its [1, hidden] gate count in the parameter total
     no_shared = ModelConfig(**{**vars(cfg), "moe_shared_expert_intermediate_size": 0, "moe_shared_expert_gate": False})
     assert cfg.num_parameters() - no_shared.num_parameters() == cfg.num_layers * (3 * 2048 * 5632 + 2048)
+
+
+def test_glm4_moe_fields():
+    # GLM-4.5-Air's config.json (older files keep partial_rotary_factor at the top level)
+    air = dict(hidden_size=4096, num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+               n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408, intermediate_size=10944,
+               n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.0, attention_bias=True,
+               use_qk_norm=False, vocab_size=151552, rope_parameters=None, rope_theta=1e6, partial_rotary_factor=0.5)
+    cfg = ModelConfig.from_hf_dict(hf_dict("glm4_moe", **air))
+    assert (cfg.num_experts, cfg.moe_router_topk, cfg.first_dense_layers, cfg.ffn_hidden_size) == (128, 8, 1, 10944)
+    assert (cfg.moe_shared_expert_intermediate_size, cfg.rotary_percent, cfg.rope_theta) == (1408, 0.5, 1e6)
+    assert cfg.moe_router_score_function == "sigmoid" and cfg.moe_router_expert_bias and cfg.norm_topk_prob
+    assert cfg.qkv_bias and not cfg.qk_layernorm and not cfg.moe_shared_expert_gate
+    assert cfg.moe_layer_pattern() == [0] + [1] * 45
+    assert cfg.num_parameters() / 1e9 == pytest.approx(106, abs=1.0)  # the model card: 106B total
+
+
+@pytest.mark.parametrize("model_type, overrides, message", [
+    ("glm4_moe", {"n_group": 2}, "n_group: unsupported value 2 for glm4_moe"),
+    ("glm4_moe", {"norm_topk_prob": False}, "norm_topk_prob: must be true"),
+    ("glm4_moe", {"first_k_dense_replace": 46}, "first_dense_layers: must be in [0, num_layers=46), got 46"),
+    ("glm4_moe", {"n_routed_experts": None}, "n_routed_experts: required field is missing for glm4_moe"),
+    ("qwen3_moe", {"partial_rotary_factor": 0.5}, "partial_rotary_factor: partial rotary embeddings are not supported"),
+])
+def test_sigmoid_router_families_errors_name_the_field(model_type, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig.from_hf_dict(hf_dict(model_type, **overrides), source="ckpt/config.json")
+    assert str(err.value).startswith("ckpt/config.json") and message in str(err.value)
 
 
 @pytest.mark.parametrize("overrides, message", [

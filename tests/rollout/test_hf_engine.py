@@ -53,11 +53,18 @@ def tiny_config(family: str) -> transformers.PretrainedConfig:
             **COMMON, num_hidden_layers=2, intermediate_size=40, moe_intermediate_size=16,
             shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
         )
+    if family == "glm4_moe":  # layer 0 dense; half-rotary heads, q/k norm, q/k/v biases, sigmoid router + bias
+        return transformers.Glm4MoeConfig(
+            **COMMON, num_hidden_layers=3, head_dim=8, intermediate_size=40, moe_intermediate_size=16,
+            n_routed_experts=6, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True, num_nextn_predict_layers=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        )
     raise ValueError(family)
 
 
-FAMILIES = ["qwen3_moe", "qwen3", "qwen2", "llama", "mixtral", "qwen2_moe"]
-MOE_FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe"]
+FAMILIES = ["qwen3_moe", "qwen3", "qwen2", "llama", "mixtral", "qwen2_moe", "glm4_moe"]
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"]
 PROMPTS = [[5, 17, 3], [40, 41, 42, 43, 44, 45, 46], [9]]
 
 

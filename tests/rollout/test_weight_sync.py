@@ -33,6 +33,10 @@ CASES = [
     # Qwen2-MoE: q/k/v biases, top-3 of 6 experts without renormalisation, a shared expert with its gate
     SyncCase("qwen2_moe_ep2", family_config("qwen2_moe"), ParallelConfig(expert_parallel=2), DEFAULT_BUCKET_BYTES),
     SyncCase("qwen2_moe_tp2", family_config("qwen2_moe"), ParallelConfig(tensor_parallel=2), DEFAULT_BUCKET_BYTES),
+    # GLM-4.5: a dense first layer, sigmoid router with expert bias (a Megatron buffer, synced as HF's
+    # e_score_correction_bias), shared expert, half-rotary heads; PP=2 splits dense and MoE layers unevenly
+    SyncCase("glm4_moe_ep2", family_config("glm4_moe"), ParallelConfig(expert_parallel=2), DEFAULT_BUCKET_BYTES),
+    SyncCase("glm4_moe_pp2", family_config("glm4_moe"), ParallelConfig(pipeline_parallel=2), DEFAULT_BUCKET_BYTES),
 ]
 NAMES = [c.name for c in CASES]
 

@@ -14,6 +14,12 @@ DEMO = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
 QWEN2_MOE = ("model.config.architecture=qwen2_moe", "model.config.qkv_bias=true", "model.config.qk_layernorm=false",
              "model.config.num_experts=6", "model.config.moe_router_topk=3", "model.config.norm_topk_prob=false",
              "model.config.moe_shared_expert_intermediate_size=48", "model.config.moe_shared_expert_gate=true")
+# GLM-4.5 on the demo's shape: layer 0 dense, a sigmoid router with a (frozen) expert bias and scaling 2.5, a shared
+# expert, RoPE on half of each head, q/k norm and q/k/v biases
+GLM4_MOE = ("model.config.architecture=glm4_moe", "model.config.first_dense_layers=1", "model.config.ffn_hidden_size=96",
+            "model.config.moe_router_score_function=sigmoid", "model.config.moe_router_expert_bias=true",
+            "model.config.moe_router_topk_scaling_factor=2.5", "model.config.moe_shared_expert_intermediate_size=64",
+            "model.config.rotary_percent=0.5", "model.config.qkv_bias=true", "model.config.qk_layernorm=true")
 
 
 def replayed_step(rank, world_size, run_dir: str, mode: str, model: tuple[str, ...] = ()) -> dict:
@@ -60,19 +66,24 @@ def replayed_step(rank, world_size, run_dir: str, mode: str, model: tuple[str, .
         return metrics
 
     trainer.policy.train_minibatch = train_minibatch
+    bias = {n: b.clone() for n, b in trainer.policy.module.named_buffers() if n.endswith("router.expert_bias")}
     metrics = trainer.train_step()
+    after = {n: b for n, b in trainer.policy.module.named_buffers() if n.endswith("router.expert_bias")}
+    checks["expert_bias_frozen"] = bias.keys() == after.keys() and all(torch.equal(bias[n], after[n]) for n in bias)
+    checks["expert_bias_layers"] = len(bias)
     trainer.close()
     return {**checks, "engine_rows": engine_rows, "metrics": metrics}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, ranks, model", [("r3", 2, ()), ("r2", 1, ()), ("r3", 2, QWEN2_MOE)],
-                         ids=["r3", "r2", "r3-qwen2_moe"])
+@pytest.mark.parametrize("mode, ranks, model", [("r3", 2, ()), ("r2", 1, ()), ("r3", 2, QWEN2_MOE), ("r3", 2, GLM4_MOE)],
+                         ids=["r3", "r2", "r3-qwen2_moe", "r3-glm4_moe"])
 def test_update_forwards_replay_the_recorded_experts(tmp_path, mode, ranks, model):
     outs = run_distributed(replayed_step, ranks, (str(tmp_path), mode, model))
     # each DP rank generates its share of the prompts; the update shares are cut from the gathered batch
     engine = {tuple(r.flatten().tolist()) for out in outs for r in out["engine_rows"]}
     for out in outs:
+        assert out["expert_bias_frozen"] and out["expert_bias_layers"] == (1 if model == GLM4_MOE else 0)
         assert out["flags"] and all(out["flags"])
         assert out["mismatched"] == 0 and out["replayed"] == len(out["given"]) > 0
         # the first update moves the weights, so free routing differs for some later sequence: replay mattered
