@@ -1,12 +1,15 @@
 """Synthetic verifiable tasks for demos and tests: generation (deterministic from a seed) and checking.
 
-Three tasks, each with a ``difficulty`` knob from 1 (trivial) to 5; prompts and answers are short so a
-tiny character-level model can learn them:
+Four tasks, each with a ``difficulty`` knob from 1 (trivial) to 5; prompts and answers are short so a
+tiny character-level model can learn them (``chain`` has the long responses, 30-60 characters):
 
   arithmetic  "12+7="          -> "19"      difficulty: operand digits and operators
   sort        "sort 3 1 2"     -> "1 2 3"   difficulty: list length and number range
   countdown   "3 5 7 -> 22"    -> "3*5+7"   any expression using every number exactly once with + - *
                                              (and parentheses) that evaluates to the target is correct
+  chain       "chain 7 +5 *2 -4"  -> "7+5=12 12*2=24 24-4=20"   multi-step arithmetic worked step by step;
+                                             the response must be a well-formed chain of steps starting
+                                             from the prompt's number whose last value is the answer
 
 A problem is ``Problem(prompt, answer, meta)``; ``meta`` carries what the checker needs (the task name,
 and for countdown the numbers and target) and travels through the dataset loader to the reward.
@@ -28,7 +31,7 @@ from typing import Any, Literal, Mapping
 
 from gspo_megatron.rewards.types import Verdict
 
-TaskName = Literal["arithmetic", "sort", "countdown"]
+TaskName = Literal["arithmetic", "sort", "countdown", "chain"]
 
 # difficulty -> (digits per operand, operators)
 ARITHMETIC_LEVELS = {1: (1, "+"), 2: (2, "+"), 3: (2, "+-"), 4: (3, "+-"), 5: (2, "+-*")}
@@ -36,7 +39,9 @@ ARITHMETIC_LEVELS = {1: (1, "+"), 2: (2, "+"), 3: (2, "+-"), 4: (3, "+-"), 5: (2
 SORT_LEVELS = {1: (3, 9), 2: (4, 9), 3: (5, 99), 4: (6, 99), 5: (8, 999)}
 # difficulty -> (how many numbers, largest number, operators)
 COUNTDOWN_LEVELS = {1: (2, 9, "+"), 2: (3, 9, "+-"), 3: (3, 9, "+-*"), 4: (4, 12, "+-*"), 5: (4, 25, "+-*")}
-_LEVELS = {"arithmetic": ARITHMETIC_LEVELS, "sort": SORT_LEVELS, "countdown": COUNTDOWN_LEVELS}
+# difficulty -> (steps, largest operand, operators); values stay in [0, 999]
+CHAIN_LEVELS = {1: (4, 9, "+-"), 2: (5, 9, "+-*"), 3: (6, 9, "+-*"), 4: (7, 12, "+-*"), 5: (8, 19, "+-*")}
+_LEVELS = {"arithmetic": ARITHMETIC_LEVELS, "sort": SORT_LEVELS, "countdown": COUNTDOWN_LEVELS, "chain": CHAIN_LEVELS}
 _STOP_MARKERS = ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>")
 
 
@@ -109,7 +114,29 @@ def _countdown(rng: random.Random, difficulty: int) -> Problem:
                            {"task": "countdown", "difficulty": difficulty, "numbers": numbers, "target": target})
 
 
-_GENERATORS = {"arithmetic": _arithmetic, "sort": _sort, "countdown": _countdown}
+def _apply(value: int, op: str, operand: int) -> int:
+    return value + operand if op == "+" else value - operand if op == "-" else value * operand
+
+
+def _chain(rng: random.Random, difficulty: int) -> Problem:
+    steps, high, ops = CHAIN_LEVELS[difficulty]
+    while True:
+        value = start = rng.randint(1, high)
+        moves, worked = [], []
+        for _ in range(steps):
+            op, operand = rng.choice(ops), rng.randint(2, high)
+            result = _apply(value, op, operand)
+            if not 0 <= result <= 999:
+                break
+            moves.append(f"{op}{operand}")
+            worked.append(f"{value}{op}{operand}={result}")
+            value = result
+        if len(moves) == steps:
+            return Problem(f"chain {start} {' '.join(moves)}", " ".join(worked),
+                           {"task": "chain", "difficulty": difficulty, "start": start, "target": value})
+
+
+_GENERATORS = {"arithmetic": _arithmetic, "sort": _sort, "countdown": _countdown, "chain": _chain}
 
 
 def generate(spec: TaskSpec, n: int, seed: int, exclude: frozenset[str] | set[str] = frozenset()) -> list[Problem]:
@@ -202,6 +229,24 @@ def _literals(node: ast.AST) -> list[int]:
     return []
 
 
+_CHAIN_STEP = re.compile(r"(-?\d+)([+\-*])(\d+)=(-?\d+)")
+
+
+def _check_chain(meta: Mapping[str, Any], answer: str) -> bool | None:
+    """A chain answer: steps "a<op>b=c" separated by single spaces, the first starting from the prompt's
+    number and each from the previous result; correct when the last result is the target (the verifier
+    checks the answer, the steps only for form: a wrong intermediate value is wrong at the end anyway)."""
+    steps = [_CHAIN_STEP.fullmatch(part) for part in answer.split(" ")]
+    if not answer or len(answer) > 400 or not all(steps):
+        return None
+    previous = str(meta["start"])
+    for step in steps:
+        if step.group(1) != previous:
+            return None
+        previous = step.group(4)
+    return int(previous) == int(meta["target"])
+
+
 def check_answer(meta: Mapping[str, Any], reference: str, answer: str) -> bool | None:
     """True/False for a well-formed answer, None when ``answer`` is malformed for the task."""
     task = meta["task"]
@@ -218,6 +263,8 @@ def check_answer(meta: Mapping[str, Any], reference: str, answer: str) -> bool |
         except (SyntaxError, ValueError):
             return None
         return sorted(_literals(tree)) == sorted(meta["numbers"]) and value == meta["target"]
+    if task == "chain":
+        return _check_chain(meta, answer)
     raise ValueError(f"unknown synthetic task {task!r} in sample meta")
 
 
