@@ -21,7 +21,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.conversion.tables import VOCAB_PARAMS, expand, te_to_canonical
+from gspo_megatron.conversion.tables import VOCAB_PARAMS, expand
 from gspo_megatron.megatron import sharding
 from gspo_megatron.megatron.model_config import ModelConfig
 
@@ -47,14 +47,11 @@ def _full_shape(info: sharding.ShardInfo, local: torch.Tensor, vocab_size: int) 
 
 
 def _local_tensors(model, config: ModelConfig) -> dict[str, tuple[sharding.ShardInfo, torch.Tensor]]:
-    """This rank's parameters by canonical (local-spec, global-numbered) name."""
-    from megatron.core import parallel_state as ps
-
-    ep_size = ps.get_expert_model_parallel_world_size()
-    num_local = config.num_experts // ep_size if config.is_moe else 0
+    """This rank's parameters by canonical (local-spec, global-numbered) name (``shard_infos`` translates
+    TE-spec names)."""
     local = {}
     for info, param in sharding.shard_infos(model):
-        name = te_to_canonical(info.canonical_name, ps.get_expert_model_parallel_rank(), num_local)
+        name = info.canonical_name
         if config.tie_word_embeddings and name == "output_layer.weight":
             continue  # the last stage's copy of the tied embedding
         local[name] = (info, param.detach())

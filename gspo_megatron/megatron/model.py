@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -9,9 +11,74 @@ import torch.nn.functional as F
 from gspo_megatron.megatron import cpu_runtime
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.parallel import ParallelConfig
+from gspo_megatron.typed_config import check
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32):
+@dataclasses.dataclass
+class ModelRuntime:
+    """How the model runs, as opposed to what it is (``ModelConfig``).
+
+    precision: parameter dtype of the model. bf16/fp16 train through Megatron's mixed-precision optimizer
+        with fp32 main weights and fp32 gradient buffers (fp16 adds dynamic loss scaling); log-probs and
+        the loss are computed in fp32 either way. fp32 is the CPU demo's default.
+    recompute: Megatron's activation recomputation: ``selective`` recomputes core attention (and the MoE
+        activation with grouped GEMM), ``full`` every layer's forward (uniform, one layer per unit).
+    layer_spec: ``te`` (Transformer Engine modules), ``local`` (Megatron's own modules; on CPU the
+        project's CPU spec), ``auto``: TE when CUDA and transformer_engine are both there, else local.
+    """
+
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    recompute: Literal["none", "selective", "full"] = "none"
+    layer_spec: Literal["auto", "te", "local"] = "auto"
+
+    def validate(self, path: str) -> None:
+        check(self.precision in PRECISIONS, f"{path}.precision", f"must be fp32, bf16 or fp16, got {self.precision!r}")
+        check(self.recompute in ("none", "selective", "full"), f"{path}.recompute",
+              f"must be none, selective or full, got {self.recompute!r}")
+        check(self.layer_spec in ("auto", "te", "local"), f"{path}.layer_spec",
+              f"must be auto, te or local, got {self.layer_spec!r}")
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_layer_spec(choice: str, cuda: bool | None = None, te_installed: bool | None = None) -> str:
+    """``te`` or ``local`` for ``model.layer_spec`` ``choice`` on this machine; ``te`` where it cannot run
+    is an error naming the field."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    te_installed = transformer_engine_available() if te_installed is None else te_installed
+    if choice == "auto":
+        return "te" if cuda and te_installed else "local"
+    if choice == "te" and not (cuda and te_installed):
+        missing = "CUDA" if not cuda else "transformer_engine"
+        raise ValueError(f"model.layer_spec: te needs CUDA and Transformer Engine; {missing} is not available "
+                         "(use auto or local)")
+    if choice not in ("te", "local"):
+        raise ValueError(f"model.layer_spec: must be auto, te or local, got {choice!r}")
+    return choice
+
+
+def recompute_settings(recompute: str, grouped_gemm: bool) -> dict:
+    """TransformerConfig fields for ``model.recompute`` (Megatron-Core 0.16.1 names)."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return dict(recompute_granularity="selective",
+                    recompute_modules=["core_attn"] + (["moe_act"] if grouped_gemm else []))
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    raise ValueError(f"model.recompute: must be none, selective or full, got {recompute!r}")
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32,
+                       runtime: ModelRuntime | None = None):
     """Megatron's TransformerConfig for ``model`` under ``parallel``.
 
     Dropout is off (RL fine-tuning; and it must be off for log-prob recomputation to match rollouts).
@@ -19,10 +86,15 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtyp
     ``norm_topk_prob`` the k probabilities are renormalised, which equals a softmax over the top-k logits
     (Megatron's ``moe_router_pre_softmax=False``); without it the raw probabilities are kept
     (``pre_softmax=True``).
+    ``runtime`` (when given) sets the parameter dtype, the recomputation and the spec-dependent fusions;
+    without it: ``params_dtype``, no recomputation, the spec ``auto`` resolves to.
     """
     from megatron.core.transformer import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
+    runtime = runtime or ModelRuntime(precision={v: k for k, v in PRECISIONS.items()}[params_dtype])
+    params_dtype = runtime.params_dtype
+    te = resolve_layer_spec(runtime.layer_spec) == "te"
     moe = {}
     if model.is_moe:
         moe = dict(
@@ -41,7 +113,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtyp
             moe_aux_loss_coeff=model.moe_aux_loss_coeff,
             # alltoall creates a CUDA stream in its constructor; allgather is exact and fine at small scale.
             moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
-            moe_grouped_gemm=on_gpu,
+            # grouped experts are TE's TEGroupedMLP; the local spec keeps SequentialMLP
+            moe_grouped_gemm=te,
             moe_router_dtype="fp32",
             moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or None,
             moe_shared_expert_gate=model.moe_shared_expert_gate,
@@ -76,8 +149,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtyp
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=False,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=te,  # the local spec's softmax has no fused kernel without TE/apex
         persist_layer_norm=False,
+        **recompute_settings(runtime.recompute, grouped_gemm=te and model.is_moe),
         **moe,
     )
 
@@ -129,17 +203,42 @@ def local_layer_spec(model: ModelConfig, fast_modules: bool = True, moe: bool | 
     return spec
 
 
-def layer_spec(model: ModelConfig, config, fast_cpu_modules: bool = True):
-    """The decoder spec: Transformer Engine modules on GPU; on CPU ``local_layer_spec`` in every layer and
-    the sequence-parallel-capable RMSNorm as the final norm (given as a TransformerBlockSubmodules, since
-    the block otherwise picks its final norm from a module global). ``fast_cpu_modules=False`` builds the
-    CPU spec with Megatron's own attention and experts (reference for tests and benchmarks)."""
+def with_moe_keys_map(spec):
+    """``spec`` (a TransformerLayer ModuleSpec with a separate ``pre_mlp_layernorm``) saving and loading
+    that norm under the local spec's key (``sharding.TE_MOE_KEYS_MAP``); its other mappings stay."""
+    from gspo_megatron.megatron.sharding import TE_MOE_KEYS_MAP
+
+    submodules = spec.submodules
+    submodules.sharded_state_dict_keys_map = {**(submodules.sharded_state_dict_keys_map or {}), **TE_MOE_KEYS_MAP}
+    return spec
+
+
+def te_layer_spec(model: ModelConfig, moe: bool | None = None):
+    """Megatron's Transformer Engine layer spec (grouped experts for MoE); MoE layers keep checkpoints
+    compatible with the local spec's (``with_moe_keys_map``). ``moe`` as in ``local_layer_spec``."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if torch.cuda.is_available():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=model.num_experts if model.is_moe else None, moe_grouped_gemm=model.is_moe,
-            qk_layernorm=model.qk_layernorm)
+    moe = model.is_moe if moe is None else moe
+    spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+        num_experts=model.num_experts if moe else None, moe_grouped_gemm=moe, qk_layernorm=model.qk_layernorm)
+    return with_moe_keys_map(spec) if moe else spec
+
+
+def layer_spec(model: ModelConfig, config, fast_cpu_modules: bool = True, choice: str = "auto"):
+    """The decoder spec for ``model.layer_spec`` ``choice`` (``resolve_layer_spec``): Transformer Engine
+    modules (``te_layer_spec``), or ``local_layer_spec`` in every layer with the sequence-parallel-capable
+    RMSNorm as the final norm (given as a TransformerBlockSubmodules, since the block otherwise picks its
+    final norm from a module global); the local spec is pure torch and runs on CPU and GPU alike.
+    ``fast_cpu_modules=False`` builds the local spec with Megatron's own attention and experts (reference
+    for tests and benchmarks)."""
+    if resolve_layer_spec(choice) == "te":
+        if not model.first_dense_layers:
+            return te_layer_spec(model)
+        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        specs = {moe: te_layer_spec(model, moe) for moe in (True, False)}
+        return TransformerBlockSubmodules(layer_specs=stage_layer_specs(model, config, specs), layer_norm=TENorm)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     specs = {moe: local_layer_spec(model, fast_cpu_modules, moe) for moe in {model.is_moe, model.is_moe_layer(0)}}
@@ -158,10 +257,11 @@ def stage_layer_specs(model: ModelConfig, config, specs: dict) -> list:
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32,
-                max_sequence_length: int | None = None, fast_cpu_modules: bool = True):
+                max_sequence_length: int | None = None, fast_cpu_modules: bool = True,
+                runtime: ModelRuntime | None = None):
     """One GPTModel for this rank's pipeline stage (Megatron parallel state must be initialised).
 
-    Returns the bare GPTModel; wrap it with Megatron DDP for training (``megatron/train.py``).
+    Returns the bare GPTModel; wrap it with Megatron DDP for training (``megatron/policy_model.py``).
     Logits come out vocab-parallel ([s, b, padded_vocab / TP]) so log-probs never gather the vocabulary.
     ``fast_cpu_modules=False`` uses Megatron's own core attention and experts on CPU (``layer_spec``);
     parameter names, shapes and state dicts are the same either way.
@@ -170,10 +270,10 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: torc
     from megatron.core.models.gpt import GPTModel
 
     cpu_runtime.activate()
-    config = transformer_config(model, parallel, params_dtype)
+    config = transformer_config(model, parallel, params_dtype, runtime)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model, config, fast_cpu_modules),
+        transformer_layer_spec=layer_spec(model, config, fast_cpu_modules, runtime.layer_spec if runtime else "auto"),
         vocab_size=model.padded_vocab_size(parallel.tensor_parallel),
         max_sequence_length=max_sequence_length or model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

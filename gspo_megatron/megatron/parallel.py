@@ -1,4 +1,5 @@
-"""Parallel layout and process-group initialisation (gloo on CPU, NCCL on GPU)."""
+"""Parallel layout and process-group initialisation (gloo on CPU; on GPU ``cpu:gloo,cuda:nccl``, see
+``device.py`` for the rule)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.megatron import cpu_runtime
+from gspo_megatron.megatron.device import process_group_backend
 from gspo_megatron.typed_config import check
 
 
@@ -52,12 +54,13 @@ class ParallelConfig:
 
 
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return process_group_backend(torch.cuda.is_available())
 
 
 def init_process_group(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
                        timeout_s: float = 600.0) -> None:
-    """Initialise torch.distributed with env:// semantics (gloo on CPU, NCCL on GPU)."""
+    """Initialise torch.distributed with env:// semantics: gloo on CPU; on GPU NCCL for device tensors and
+    gloo for host tensors (``device.process_group_backend``), in every group Megatron derives from it."""
     if dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", master_addr)

@@ -12,6 +12,12 @@ layout algebra, written once:
 * PP: ``decoder.layers.i`` on a stage is global layer ``layer_number - 1`` of that module.
 * Vocabulary: embedding and output rows are padded (``ModelConfig.padded_vocab_size``, zero rows on the
   last TP rank(s)); canonical tensors are not.
+* Spec: canonical names are the *local* spec's. A Transformer Engine model's few differing names
+  (``conversion.tables.TE_SPEC_NAMES``) are translated here, once, in ``shard_infos``.
+
+Checkpoints are spec-neutral: the TE MoE layer reads and writes its pre-MLP norm under the local spec's
+key (``TE_MOE_KEYS_MAP``), and TE's ``_extra_state`` entries (FP8 scaling metadata, unused here) are
+neither saved nor required (``sharded_state_dict`` / ``load_module_state``). Megatron-Core 0.16.1.
 """
 from __future__ import annotations
 
@@ -76,8 +82,20 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _spec_canonical(local_name: str, gpt: torch.nn.Module) -> str:
+    """``canonical_name``, then TE-spec names -> local-spec names (global expert numbers)."""
+    from megatron.core import parallel_state as ps
+
+    from gspo_megatron.conversion.tables import te_to_canonical
+
+    config = gpt.config
+    num_local = (config.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()
+    return te_to_canonical(canonical_name(local_name, gpt), ps.get_expert_model_parallel_rank(), num_local)
+
+
 def shard_infos(model: torch.nn.Module) -> Iterator[tuple[ShardInfo, torch.nn.Parameter]]:
-    """(ShardInfo, parameter) for every parameter of this rank's model chunk."""
+    """(ShardInfo, parameter) for every parameter of this rank's model chunk; canonical names are the
+    local spec's whichever spec built the model."""
     gpt = _unwrap(model)
     gated = gpt.config.gated_linear_unit
     # the routers' expert bias is a buffer (frozen during RL) but a weight of the model all the same
@@ -91,7 +109,7 @@ def shard_infos(model: torch.nn.Module) -> Iterator[tuple[ShardInfo, torch.nn.Pa
             split = "glu"
         else:
             split = f"dim{param.partition_dim}"
-        yield ShardInfo(local_name, canonical_name(local_name, gpt), split, is_expert, tp_rank, tp_size), param
+        yield ShardInfo(local_name, _spec_canonical(local_name, gpt), split, is_expert, tp_rank, tp_size), param
 
 
 def shard(full: torch.Tensor, info: ShardInfo, local_rows: int | None = None) -> torch.Tensor:
@@ -182,3 +200,38 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor]) 
             raise ValueError(f"load_full_state_dict: {info.canonical_name}: slice shape {tuple(local.shape)} "
                              f"!= parameter shape {tuple(param.shape)}")
         param.copy_(local)
+
+
+# ---- spec-neutral checkpoints --------------------------------------------------------------------
+
+# The local spec (get_gpt_layer_local_spec, 0.16.1) saves every layer's pre-MLP norm as TE's fused
+# dense name; the TE MoE layer has a separate TENorm ``pre_mlp_layernorm`` and no mapping for it. Given
+# to the TE MoE spec, this map makes both specs read and write the same key.
+TE_MOE_KEYS_MAP = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+_EXTRA_STATE = "_extra_state"
+
+
+def _is_extra_state(key: str) -> bool:
+    # TE names them "<module>._extra_state" and, per grouped GEMM, "_extra_state<i>" (TEGroupedLinear)
+    return key.rsplit(".", 1)[-1].startswith(_EXTRA_STATE)
+
+
+def drop_extra_state(state: dict) -> dict:
+    """``state`` (a possibly nested sharded state dict) without TE's ``_extra_state`` entries."""
+    return {k: drop_extra_state(v) if isinstance(v, dict) else v for k, v in state.items()
+            if not _is_extra_state(k)}
+
+
+def sharded_state_dict(model: torch.nn.Module, prefix: str = "model.") -> dict:
+    """The model's sharded state dict as either spec loads it: no ``_extra_state`` objects."""
+    return drop_extra_state(_unwrap(model).sharded_state_dict(prefix=prefix))
+
+
+def load_module_state(model: torch.nn.Module, state: dict, prefix: str = "model.") -> None:
+    """Load a (spec-neutral) state dict strictly, except that TE's ``_extra_state`` may be missing."""
+    result = _unwrap(model).load_state_dict({k.removeprefix(prefix): v for k, v in state.items()}, strict=False)
+    missing = [k for k in result.missing_keys if not _is_extra_state(k)]
+    unexpected = [k for k in result.unexpected_keys if not _is_extra_state(k)]
+    if missing or unexpected:
+        raise KeyError(f"load_module_state: missing keys {missing[:8]}, unexpected keys {unexpected[:8]} "
+                       f"({len(missing)} / {len(unexpected)} in all)")
