@@ -32,7 +32,7 @@ from gspo_megatron.conversion.byte_ranges import canonical_pieces, hf_pieces
 from gspo_megatron.conversion.errors import ConversionError, name_list
 from gspo_megatron.conversion.safetensors_io import (INDEX_NAME, BackgroundWriteback, HFCheckpoint,
                                                      SafetensorsWriter, TensorSpec, plan_shards, write_index)
-from gspo_megatron.conversion.tables import Entry, expand, validate_layout
+from gspo_megatron.conversion.tables import Entry, expand, left_out, validate_layout
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.processes import pid_running
 
@@ -168,7 +168,7 @@ def _check_hf_tensors(hf: HFCheckpoint, entries: list[Entry], layout: dcp_io.Che
                       config: ModelConfig) -> dict[str, torch.dtype]:
     """Names, shapes and dtypes of the HF tensors against the table; returns each entry's dtype."""
     expected = {h for e in entries for h in e.hf}
-    present = set(hf.tensors)
+    present = {name for name in hf.tensors if not left_out(config, name)}
     if expected - present:
         raise ConversionError(f"{hf.directory}: tensors the {config.architecture} config needs are missing: "
                               f"{name_list(expected - present)}")

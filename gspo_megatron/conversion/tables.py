@@ -54,6 +54,18 @@ def family_table(config: ModelConfig) -> tuple[Rule, ...]:
     return family.weights
 
 
+def left_out(config: ModelConfig, hf_name: str) -> bool:
+    """Whether HF tensor ``hf_name`` is one the conversion leaves out on purpose: a multi-token-prediction
+    layer after the decoder (``model.layers.<num_layers + i>.*``) of a family whose checkpoints have them."""
+    if not registry.FAMILIES[config.architecture].mtp_layers:
+        return False
+    match = _MTP_LAYER.match(hf_name)
+    return match is not None and int(match.group(1)) >= config.num_layers
+
+
+_MTP_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
 def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
     return pattern.replace("{layer}", str(layer)).replace("{expert}", str(expert))
 

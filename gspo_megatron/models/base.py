@@ -81,6 +81,9 @@ class Family:
     must_be: Mapping[str, list] = dataclasses.field(default_factory=dict)  # field -> values we can represent
     rope_types: tuple[str, ...] = ("default",)
     partial_rotary: bool = False  # may rotate only the first partial_rotary_factor of each head's dims
+    # checkpoints may hold multi-token-prediction layers after the decoder (model.layers.<num_layers + i>.*),
+    # which transformers does not run and the conversion leaves out
+    mtp_layers: bool = False
     qkv_bias: bool = False
     qk_layernorm: bool = False
 

@@ -9,7 +9,7 @@ Megatron-Core: ``rotary_percent``, ``moe_layer_freq``, ``moe_router_score_functi
 ``moe_router_enable_expert_bias`` (the bias is a buffer, frozen during RL) and
 ``moe_router_topk_scaling_factor``, ``SharedExpertMLP`` without a gate. Group-limited routing is not
 mapped (``n_group`` / ``topk_group`` must be 1, as in GLM-4.5), nor the multi-token-prediction layers
-(``num_nextn_predict_layers``), which transformers does not run either.
+(``num_nextn_predict_layers``), which transformers does not run either: conversion leaves them out.
 """
 from __future__ import annotations
 
@@ -63,4 +63,5 @@ FAMILY = Family(
     write_hf=write_hf,
     must_be={"n_group": [1], "topk_group": [1]},
     partial_rotary=True,
+    mtp_layers=True,
 )

@@ -184,3 +184,33 @@ def test_round_trip_without_copy_file_range(converted, tmp_path, monkeypatch, di
     back = offline.megatron_to_hf(meg, tmp_path / "back", progress=False)
     for file in weight_files(hf):
         assert (back / file).read_bytes() == (hf / file).read_bytes()
+
+
+def test_multi_token_prediction_layer_is_left_out(tmp_path):
+    """A GLM-4.5 checkpoint holds its MTP layer as model.layers.<num_layers>.* (transformers skips it): the
+    conversion leaves it out and converts back every other tensor unchanged; in a family without MTP
+    layers the same tensor is an error."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from gspo_megatron.conversion.errors import ConversionError
+
+    for name in ("glm4_moe", "qwen3_moe"):
+        hf = make_hf_dir(name, tmp_path / f"{name}-hf", max_shard_size="20KB")
+        layer = family_config(name).num_layers
+        mtp = {f"model.layers.{layer}.eh_proj.weight": torch.randn(64, 128),
+               f"model.layers.{layer}.enorm.weight": torch.ones(64)}
+        save_file(mtp, hf / "mtp.safetensors", metadata={"format": "pt"})
+        index = index_of(hf)
+        index["weight_map"].update({key: "mtp.safetensors" for key in mtp})
+        (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+        if name == "qwen3_moe":
+            with pytest.raises(ConversionError, match=f"unexpected tensors.*model.layers.{layer}.eh_proj.weight"):
+                offline.hf_to_megatron(hf, tmp_path / f"{name}-meg", progress=False)
+            continue
+        meg = offline.hf_to_megatron(hf, tmp_path / f"{name}-meg", progress=False)
+        back = read_all(offline.megatron_to_hf(meg, tmp_path / f"{name}-back", hf_template=hf, progress=False))
+        theirs = read_all(hf)
+        assert set(theirs) - set(back) == set(mtp)
+        assert all(torch.equal(back[key], theirs[key]) for key in back)
