@@ -126,3 +126,20 @@ def test_padded_vocab():
     assert [cfg.padded_vocab_size(tp) for tp in (1, 2, 4, 8)] == [152_064, 152_064, 152_064, 152_576]
     cfg = ModelConfig(vocab_size=151_937, make_vocab_size_divisible_by=1)
     assert cfg.padded_vocab_size(1) == 151_937 and cfg.padded_vocab_size(2) == 151_938
+
+
+def test_model_families_sit_below_megatron_conversion_and_rollout():
+    """gspo_megatron/models/ imports only itself and typed_config (megatron/, conversion/ and rollout/
+    import it), so a family module can be read, and a new one added, without the layers above it."""
+    import ast
+    from pathlib import Path
+
+    import gspo_megatron.models
+
+    allowed = ("gspo_megatron.models", "gspo_megatron.typed_config")
+    for path in Path(gspo_megatron.models.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                assert not name.startswith("gspo_megatron") or name.startswith(allowed), f"{path.name}: {name}"
