@@ -22,7 +22,7 @@ from gspo_megatron.algorithms.losses import (
     gspo_token_loss,
     kl_penalty,
 )
-from gspo_megatron.algorithms.metrics import METRICS, finalize_metrics, merge_metrics
+from gspo_megatron.algorithms.metrics import DERIVED, METRICS, combine_minibatches, finalize_metrics, merge_metrics
 from gspo_megatron.algorithms.policy import POLICY_LOSSES, PolicyLoss, policy_loss
 from gspo_megatron.algorithms.sequences import (
     LOG_RATIO_LIMIT,
@@ -36,6 +36,7 @@ from gspo_megatron.algorithms.sequences import (
 
 __all__ = [
     "GroupAdvantages",
+    "DERIVED",
     "LOG_RATIO_LIMIT",
     "LossConfig",
     "LossNormalisers",
@@ -50,6 +51,7 @@ __all__ = [
     "TokenBatch",
     "aggregate_token_terms",
     "clipped_objective",
+    "combine_minibatches",
     "count_normalisers",
     "entropy_bonus",
     "finalize_metrics",

@@ -258,12 +258,23 @@ def policy_metrics(batch: TokenBatch, ctx: SequenceContext) -> Metrics:
         }
         metrics.update(_advantage_metrics(batch, ctx, share, has_tokens))
         if batch.rollout_logprobs is not None:
-            gap_sum = torch.zeros((), device=mask.device)
-            for part in token_chunks(mask.numel()):
-                gap, _ = log_ratio_values(batch.old_logprobs[part].detach(), batch.rollout_logprobs[part].detach(), mask[part])
-                gap_sum += gap.abs_().sum()
-            metrics["rollout_abs_log_ratio_sum"] = raw(gap_sum)
+            metrics.update(_logprob_gap_metrics(batch))
     return metrics
+
+
+def _logprob_gap_metrics(batch: TokenBatch) -> Metrics:
+    """The train/rollout mismatch d_t = log pi_old(y_t) - log pi_rollout(y_t) on response tokens: sums of
+    |d_t| and d_t and the maximum |d_t| (paper section 5.4), chunk by chunk."""
+    mask = batch.mask
+    abs_sum, signed_sum = torch.zeros((), device=mask.device), torch.zeros((), device=mask.device)
+    abs_max = torch.full((), float("-inf"), device=mask.device)
+    for part in token_chunks(mask.numel()):
+        gap, _ = log_ratio_values(batch.old_logprobs[part].detach(), batch.rollout_logprobs[part].detach(), mask[part])
+        signed_sum += gap.sum()
+        gap.abs_()
+        abs_sum += gap.sum()
+        abs_max = torch.maximum(abs_max, _masked_max(gap, mask[part]))
+    return {"logprob_gap_abs_sum": raw(abs_sum), "logprob_gap_signed_sum": raw(signed_sum), "logprob_gap_abs_max": raw(abs_max)}
 
 
 @dataclass(frozen=True)

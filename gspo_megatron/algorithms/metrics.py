@@ -5,14 +5,19 @@ so they combine exactly: ``merge_metrics`` adds the sums and takes min / max ove
 ranks the caller all-reduces each key with the op in ``METRICS[key].op`` (SUM, MIN or MAX). Only then
 does ``finalize_metrics`` divide each sum by its count (``tokens`` or ``seqs``) to give the means to log.
 
+Every logged loss quantity has its one name here: ``METRICS`` (raw keys and how they reduce) and
+``DERIVED`` (quantities computed from finalised ones, such as the total clip fractions).
+``combine_minibatches`` turns the finalised metrics of a step's mini-batches into the step's.
+
 Counts: ``tokens`` = response tokens; ``seqs`` = sequences, each weighted by its share of tokens on this
 rank (so a sequence split over CP ranks adds up to 1). Loss keys are already divided by the global
 normalisers, so their SUM over micro-batches and ranks is the mini-batch loss.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Callable, Literal, Mapping
 
 import torch
 from torch import Tensor
@@ -54,12 +59,36 @@ METRICS: dict[str, MetricSpec] = {
     "zero_adv_seqs": MetricSpec("sum", "seqs", "zero_adv_seq_frac", "fraction of sequences whose advantage is 0 everywhere"),
     "kl_sum": MetricSpec("sum", "tokens", "kl_mean", "mean per-token KL(pi_theta || pi_ref) estimate"),
     "entropy_sum": MetricSpec("sum", "tokens", "entropy_mean", "mean per-token entropy"),
-    "rollout_abs_log_ratio_sum": MetricSpec("sum", "tokens", "rollout_abs_log_ratio_mean", "train/inference mismatch: mean |log pi_old - log pi_rollout| per token"),
+    "logprob_gap_abs_sum": MetricSpec("sum", "tokens", "logprob_gap_mean", "train/rollout mismatch: mean |log pi_old - log pi_rollout| per response token"),
+    "logprob_gap_signed_sum": MetricSpec("sum", "tokens", "logprob_gap_signed", "mean log pi_old - log pi_rollout per token (> 0: the training model gives the sampled tokens more probability)"),
+    "logprob_gap_abs_max": MetricSpec("max", "tokens", "logprob_gap_max", "maximum |log pi_old - log pi_rollout| over response tokens"),
     "tis_seq_weight_sum": MetricSpec("sum", "seqs", "tis_seq_weight_mean", "mean sequence-level TIS weight"),
     "tis_seq_truncated": MetricSpec("sum", "seqs", "tis_seq_truncated_frac", "fraction of sequences whose TIS weight hit the cap"),
     "tis_token_weight_sum": MetricSpec("sum", "tokens", "tis_token_weight_mean", "mean token-level TIS weight"),
     "tis_token_truncated": MetricSpec("sum", "tokens", "tis_token_truncated_frac", "fraction of tokens whose TIS weight hit the cap"),
 }
+
+
+@dataclass(frozen=True)
+class DerivedSpec:
+    """A logged quantity computed from finalised ones: ``formula(*[final[name] for name in inputs])``."""
+
+    inputs: tuple[str, ...]
+    formula: Callable[..., Tensor]
+    meaning: str
+
+
+DERIVED: dict[str, DerivedSpec] = {
+    "clip_frac_seq": DerivedSpec(("clip_frac_low_seq", "clip_frac_high_seq"), lambda low, high: low + high,
+                                 "mean over sequences of the fraction of their tokens clipped (below + above)"),
+    "clip_frac_token": DerivedSpec(("clip_frac_low_token", "clip_frac_high_token"), lambda low, high: low + high,
+                                   "fraction of tokens whose term is clipped (below + above)"),
+    "adv_std": DerivedSpec(("adv_mean", "adv_sq_mean"), lambda mean, sq: (sq - mean**2).clamp(min=0.0).sqrt(),
+                           "token-weighted standard deviation of the advantage"),
+}
+
+# finalised name -> how a step combines its mini-batches' values (extremes stay extremes; the rest is averaged)
+_FINAL_OP = {spec.name: spec.op for spec in METRICS.values()}
 
 
 def raw(value: Tensor) -> Tensor:
@@ -99,8 +128,28 @@ def finalize_metrics(raw_metrics: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if spec.op == "sum":
             value = value / count.clamp(min=1e-12)
         out[spec.name] = torch.where(count > 0, value, 0.0)
-    if "adv_sum" in raw_metrics and "adv_sq_sum" in raw_metrics:
-        out["adv_std"] = (out["adv_sq_mean"] - out["adv_mean"] ** 2).clamp(min=0.0).sqrt()
+    for name, derived in DERIVED.items():
+        if all(key in out for key in derived.inputs):
+            out[name] = derived.formula(*(out[key] for key in derived.inputs))
+    return out
+
+
+def combine_minibatches(parts: list[Mapping[str, float]]) -> dict[str, float]:
+    """A step's metrics from its mini-batches' finalised ones: min / max for extremes, else the mean over
+    the mini-batches that report the key. Non-finite values are left out (a skipped update's NaN grad
+    norm); a key with none left is NaN. Keys outside the registry (grad_norm, lr, ...) are averaged."""
+    out: dict[str, float] = {}
+    for key in sorted({k for part in parts for k in part}):
+        values = [part[key] for part in parts if key in part and math.isfinite(part[key])]
+        op = _FINAL_OP.get(key, "sum")
+        if not values:
+            out[key] = float("nan")
+        elif op == "min":
+            out[key] = min(values)
+        elif op == "max":
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
     return out
 
 

@@ -37,12 +37,6 @@ GROUPS: tuple[MetricGroup, ...] = (
     MetricGroup("logprob_gap", "Train/rollout log-prob gap", "mean |gap|", ("logprob_gap_mean",)),
 )
 
-# metrics not logged directly but summed from two that are: (low clipped) + (high clipped)
-DERIVED: dict[str, tuple[str, str]] = {
-    "clip_frac_seq": ("clip_frac_low_seq", "clip_frac_high_seq"),
-    "clip_frac_token": ("clip_frac_low_token", "clip_frac_high_token"),
-}
-
 Series = tuple[list[int], list[float]]
 
 
@@ -62,25 +56,14 @@ def load_run(run_dir: Path) -> list[dict[str, Any]]:
     return records
 
 
-def metric_value(record: dict[str, Any], metric: str) -> float | None:
-    """``record[metric]``, or the sum of its ``DERIVED`` parts when both are logged; None when absent."""
-    if metric in DERIVED:
-        low, high = DERIVED[metric]
-        if low in record and high in record:
-            return float(record[low]) + float(record[high])
-    value = record.get(metric)
-    return None if value is None else float(value)
-
-
 def series(records: list[dict[str, Any]], metric: str) -> Series:
     """(steps, values) of the records holding ``metric`` (eval metrics only appear every few steps).
 
     A step logged twice (a resume without truncation) keeps its last value so the line does not fold back."""
     by_step: dict[int, float] = {}
     for record in records:
-        value = metric_value(record, metric)
-        if value is not None:
-            by_step[record["step"]] = value
+        if metric in record:  # the trainer logs every metric by its one name (algorithms/metrics.py)
+            by_step[record["step"]] = float(record[metric])
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
 
@@ -180,4 +163,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["DERIVED", "GROUPS", "MetricGroup", "load_run", "main", "metric_value", "plot_runs", "series"]
+__all__ = ["GROUPS", "MetricGroup", "load_run", "main", "plot_runs", "series"]

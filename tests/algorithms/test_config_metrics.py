@@ -1,12 +1,13 @@
 """LossConfig (typed, validated, paper defaults), the table of policy losses and the reducible metrics."""
 import importlib
 import inspect
+import math
 import pkgutil
 
 import pytest
 import torch
 
-from gspo_megatron.algorithms import METRICS, LossConfig, finalize_metrics, merge_metrics
+from gspo_megatron.algorithms import DERIVED, METRICS, LossConfig, combine_minibatches, finalize_metrics, merge_metrics
 from gspo_megatron.typed_config import ConfigError, build, to_dict
 
 
@@ -65,6 +66,33 @@ def test_merge_and_finalize():
     assert final["clip_frac_low_token"].item() == pytest.approx(0.3)
     assert final["adv_mean"].item() == pytest.approx(0.0)
     assert final["adv_std"].item() == pytest.approx(1.0)
+
+
+def test_finalize_derives_the_total_clip_fractions():
+    raw = {"tokens": torch.tensor(10.0), "seqs": torch.tensor(4.0), "clip_low_tokens": torch.tensor(1.0),
+           "clip_high_tokens": torch.tensor(2.0), "clip_low_seqs": torch.tensor(0.5), "clip_high_seqs": torch.tensor(0.25)}
+    final = finalize_metrics(raw)
+    assert final["clip_frac_token"].item() == pytest.approx(0.3)
+    assert final["clip_frac_seq"].item() == pytest.approx(0.75 / 4)
+    assert "adv_std" not in final  # its inputs are absent
+
+
+def test_combine_minibatches_keeps_extremes_and_averages_the_rest():
+    parts = [{"clip_frac_seq": 0.2, "seq_ratio_min": 0.9, "logprob_gap_max": 0.1, "grad_norm": float("nan")},
+             {"clip_frac_seq": 0.4, "seq_ratio_min": 0.7, "logprob_gap_max": 0.3, "grad_norm": 2.0, "lr": 1e-3}]
+    combined = combine_minibatches(parts)
+    assert combined["clip_frac_seq"] == pytest.approx(0.3)
+    assert combined["seq_ratio_min"] == pytest.approx(0.7) and combined["logprob_gap_max"] == pytest.approx(0.3)
+    assert combined["grad_norm"] == 2.0 and combined["lr"] == 1e-3  # a skipped update's NaN is left out
+    assert math.isnan(combine_minibatches([{"grad_norm": float("nan")}])["grad_norm"])
+
+
+def test_every_logged_name_is_defined_once():
+    finalised = [spec.name for spec in METRICS.values()]
+    assert len(finalised) == len(set(finalised))
+    assert not set(finalised) & set(DERIVED)
+    for name, derived in DERIVED.items():
+        assert set(derived.inputs) <= set(finalised), name
 
 
 def test_finalize_of_an_empty_batch_is_finite():

@@ -5,7 +5,17 @@ import pytest
 import torch
 from tests.algorithms.helpers import grad_of, random_raw
 
-from gspo_megatron.algorithms import LossConfig, gspo_loss, kl_estimate, policy_loss, sequence_sums
+from gspo_megatron.algorithms import (
+    LossConfig,
+    LossNormalisers,
+    finalize_metrics,
+    gspo_loss,
+    kl_estimate,
+    merge_metrics,
+    packed_batch,
+    policy_loss,
+    sequence_sums,
+)
 
 
 def test_kl_estimators_by_hand():
@@ -65,7 +75,26 @@ def test_sequence_tis_weights_each_sequence_term():
     assert torch.allclose(corrected, (terms * torch.tensor([math.exp(0.1), 2.0])).sum(), rtol=1e-5)
     assert m["tis_seq_truncated"].item() == 1
     assert m["tis_seq_weight_sum"].item() == pytest.approx(math.exp(0.1) + 2.0, rel=1e-5)
-    assert m["rollout_abs_log_ratio_sum"].item() == pytest.approx(0.4 + 12.0, rel=1e-5)
+    assert m["logprob_gap_abs_sum"].item() == pytest.approx(0.4 + 12.0, rel=1e-5)
+
+
+def test_logprob_gap_by_hand_ignores_masked_positions_and_merges_across_microbatches():
+    # d_t = log pi_old - log pi_rollout: 0.5, 0, -1 | -0.25, 0.5 and a masked 200 (padding)
+    old = torch.tensor([-1.0, -2.0, -3.0, -0.5, -0.25, 100.0])
+    rollout = torch.tensor([-1.5, -2.0, -2.0, -0.25, -0.75, -100.0])
+    mask = torch.tensor([True, True, True, True, True, False])
+    config = LossConfig()
+
+    def microbatch(tokens):
+        return packed_batch(old[tokens].clone(), old[tokens], cu_seqlens=torch.tensor([0, 3]),
+                            advantages=torch.ones(1), mask=mask[tokens], rollout_logprobs=rollout[tokens])
+
+    parts = [policy_loss(config, microbatch(t), LossNormalisers(2.0, 5.0))[1] for t in (slice(0, 3), slice(3, 6))]
+    final = finalize_metrics(merge_metrics(parts))
+    assert final["logprob_gap_mean"].item() == pytest.approx((0.5 + 0 + 1 + 0.25 + 0.5) / 5)
+    assert final["logprob_gap_signed"].item() == pytest.approx((0.5 + 0 - 1 - 0.25 + 0.5) / 5)
+    assert final["logprob_gap_max"].item() == pytest.approx(1.0)
+    assert parts[1]["logprob_gap_abs_max"].item() == pytest.approx(0.5)  # the second half alone
 
 
 def test_token_tis_weights_each_token_gradient():

@@ -1,4 +1,4 @@
-"""`gspo-megatron plot`: PNGs for overlaid runs, derived clip fractions, errors for folders without metrics."""
+"""`gspo-megatron plot`: PNGs for overlaid runs, sparse eval series, errors for folders without metrics."""
 from __future__ import annotations
 
 import json
@@ -16,8 +16,7 @@ def _make_run(path, scale: float, with_drift: bool) -> None:
     lines = [{"step": 0, "eval_accuracy": 0.1 * scale}]
     for step in range(1, 8):
         record = {"step": step, "reward_mean": scale * step / 8, "accuracy": step / 10,
-                  "clip_frac_low_seq": 0.01 * step, "clip_frac_high_seq": 0.02 * step,
-                  "clip_frac_low_token": 0.001, "clip_frac_high_token": 0.002, "logprob_gap_mean": 0.003}
+                  "clip_frac_seq": 0.03 * step, "clip_frac_token": 0.003, "logprob_gap_mean": 0.003}
         if with_drift:
             record["routing_drift"] = 0.05 * step
         if step % 4 == 0:
@@ -46,9 +45,9 @@ def test_plot_two_runs_overlaid(tmp_path):
     assert not list((a / "plots").glob(".*tmp"))
 
 
-def test_series_derives_clip_fraction_and_keeps_sparse_eval(tmp_path):
-    records = [{"step": 1, "clip_frac_low_seq": 0.25, "clip_frac_high_seq": 0.5}, {"step": 2, "eval_accuracy": 0.5},
-               {"step": 3, "clip_frac_low_seq": 0.125, "clip_frac_high_seq": 0.0}]
+def test_series_keeps_sparse_eval_and_the_last_value_of_a_repeated_step(tmp_path):
+    records = [{"step": 1, "clip_frac_seq": 0.75}, {"step": 2, "eval_accuracy": 0.5},
+               {"step": 3, "clip_frac_seq": 0.5}, {"step": 3, "clip_frac_seq": 0.125}]
     assert plot.series(records, "clip_frac_seq") == ([1, 3], [0.75, 0.125])
     assert plot.series(records, "eval_accuracy") == ([2], [0.5])
 
