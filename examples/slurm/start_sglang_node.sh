@@ -5,7 +5,9 @@
 #
 # Server i uses GPUs i*TP_SIZE .. (i+1)*TP_SIZE-1 and port BASE_PORT+i, listens on all interfaces (the
 # trainer ranks of other nodes send it requests) and is started with --enable-memory-saver so the trainer
-# can release its weights and KV cache while it trains on the same GPUs (colocated). When any server
+# can release its weights and KV cache while it trains on the same GPUs (colocated). Being on the
+# trainer's GPUs, numbered as the trainer numbers them, the servers take weights by CUDA IPC
+# (rollout.sglang.weight_sync: tensor). When any server
 # exits, the others are stopped and this script exits with that server's status; srun then ends the step.
 set -uo pipefail
 if [ $# -ne 6 ]; then

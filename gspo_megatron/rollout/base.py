@@ -90,11 +90,19 @@ class RolloutEngine(abc.ABC):
         """Load one bucket of HF-named tensors. ``final=True`` on the last bucket of a sync bumps
         ``weight_version`` (and, for servers, flushes the prefix cache)."""
 
-    def release_memory(self) -> None:
-        """Free accelerator memory held by the engine (colocated mode, before training)."""
+    # True when the engine shares the trainer's accelerators and gives its memory back while the trainer
+    # updates: the trainer then calls, per step, release_memory() after the rollout,
+    # resume_memory(["weights"]) before the weight sync and resume_memory(["kv_cache", "cuda_graph"])
+    # after it (the sync writes into resumed weights; the cache comes back only once they are in place).
+    releases_memory: bool = False
 
-    def resume_memory(self) -> None:
-        """Take back the memory released by ``release_memory`` (before the next rollout)."""
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free accelerator memory held by the engine (colocated mode, before training): all regions, or
+        ``tags`` of ``kv_cache``, ``weights``, ``cuda_graph``."""
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take back the memory released by ``release_memory`` (``tags``: those regions only); regions not
+        released are left alone."""
 
     def healthy(self) -> bool:
         return True

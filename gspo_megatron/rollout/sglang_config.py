@@ -103,10 +103,10 @@ class SGLangConfig:
     prompts_per_request: int = 16
     concurrent_requests_per_server: int = 8
     router: RouterKind = "least_loaded"
-    # False: only SamplingParams.stop_token_ids end a response (SGLang's ignore_eos=true), as in the CPU
-    # engine. True: the model's own EOS ids from its generation config also stop it.
-    stop_on_model_eos: bool = False
     # Routed experts (R3): [layers, top_k] of SGLang's capture; 0 = read config.json of the model.
+    # Tensor (colocated) sync only: release the servers' weights, KV cache and CUDA graphs while the
+    # trainer updates on the same GPUs; needs servers started with --enable-memory-saver.
+    release_memory: bool = True
     routed_experts_layers: int = 0
     routed_experts_top_k: int = 0
 
@@ -123,11 +123,12 @@ class SGLangConfig:
                   "required when weight_sync is 'distributed'")
             check(0 < self.distributed.master_port < 65536, f"{path}.distributed.master_port",
                   f"required when weight_sync is 'distributed', got {self.distributed.master_port}")
-        if self.weight_sync == "tensor" and self.launch is not None:
-            # serialized_named_tensors has one entry per TP rank; DP replicas inside one server would need
-            # payloads from GPUs the TP index cannot name. Start one server per TP group instead.
+        if self.weight_sync in ("tensor", "distributed") and self.launch is not None:
+            # tensor: serialized_named_tensors has one entry per TP rank; DP replicas inside one server
+            # would need payloads from GPUs the TP index cannot name. distributed: SGLang 0.5.23 asserts
+            # dp_size == 1 (tokenizer_control_mixin.py:451) and 0.5.9 joins only tp_size ranks per server.
             check(self.launch.dp_size == 1, f"{path}.launch.dp_size",
-                  "must be 1 with weight_sync 'tensor' (start more servers instead of DP inside one)")
+                  f"must be 1 with weight_sync '{self.weight_sync}' (start more servers instead of DP inside one)")
         for name in ("request_timeout_s", "admin_timeout_s", "health_timeout_s", "attach_timeout_s",
                      "backoff_max_s", "retry_deadline_s"):
             check(getattr(self, name) > 0, f"{path}.{name}", f"must be > 0, got {getattr(self, name)}")

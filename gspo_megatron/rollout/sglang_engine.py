@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from gspo_megatron.rollout.base import RolloutEngine, Sample, SamplingParams
-from gspo_megatron.rollout.sglang_config import SGLangConfig
+from gspo_megatron.rollout.sglang_config import MEMORY_TAGS, SGLangConfig
 from gspo_megatron.rollout.sglang_http import (RetriesExhausted, RetryPolicy, ServerBusy, ServerRejected,
                                                ServerUnreachable, call_with_retry, request)
 from gspo_megatron.rollout.sglang_protocol import (ServerInfo, build_generate_request, launch_command, launch_env,
@@ -37,6 +37,11 @@ from gspo_megatron.rollout.sglang_weight_sync import (DiskCheckpointWriter, Name
                                                       update_from_distributed_body, update_from_tensor_body)
 
 log = logging.getLogger(__name__)
+
+NOT_RETRIED = frozenset({"/init_weights_update_group", "/update_weights_from_distributed"})
+# SGLang >= 0.5.2x (PR #28001) accepts tensor and distributed updates only inside this session; older
+# servers answer 404 on both endpoints and need none.
+SESSION_PATHS = ("/begin_weight_update", "/end_weight_update")
 
 HEALTH_PATH = "/health"
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")  # newer SGLang renamed the second to the first
@@ -87,6 +92,7 @@ class _SyncState:
     targets: list[ServerSlot]
     failed: set[int] = dataclasses.field(default_factory=set)  # id() of targets that dropped out
     posted: bool = False  # some server may already hold part of the new weights
+    session: list[ServerSlot] | None = None  # servers inside begin_weight_update (None: not begun yet)
 
     def live(self) -> list[ServerSlot]:
         return [s for s in self.targets if id(s) not in self.failed and not s.dead]
@@ -163,13 +169,21 @@ class SGLangEngine(RolloutEngine):
         self._group_members: list[ServerSlot] = []
         self._group_generation = 0
         self._group_broken = False  # a member restarted: rebuild the group before the next bucket
+        self._session_api: dict[str, bool] = {}  # url -> has /begin_weight_update (False: answered 404)
+        # Tensor sync: the buckets whose CUDA IPC handles the servers open. SGLang answers once the copies
+        # are enqueued, not done, so they stay alive until every rank is past the sync (release_sync_buffers).
+        self._held_buckets: list[NamedTensors] = []
+        self._released: set[str] = set()  # memory regions this engine released on its servers
+        # colocated (tensor sync): the servers share the trainer's GPUs
+        self.releases_memory = cfg.weight_sync == "tensor" and cfg.release_memory
         for slot in self.slots:
             slot.info = self._fetch_server_info(slot)
             slot.weight_version = self._version_after_start()
-            if cfg.weight_sync == "tensor" and slot.info.dp_size > 1:
-                # serialized_named_tensors has one entry per TP rank: DP replicas in one server cannot be fed.
-                raise SGLangEngineError(f"{slot.url} runs --dp-size {slot.info.dp_size}; weight_sync 'tensor' needs "
-                                        f"one server per TP group (dp_size 1)")
+            if cfg.weight_sync in ("tensor", "distributed") and slot.info.dp_size > 1:
+                # tensor: one payload per TP rank cannot feed DP replicas; distributed: SGLang 0.5.23 asserts
+                # dp_size == 1 for /init_weights_update_group (see SGLangConfig.validate)
+                raise SGLangEngineError(f"{slot.url} runs --dp-size {slot.info.dp_size}; rollout.sglang.weight_sync "
+                                        f"'{cfg.weight_sync}' needs one server per TP group (dp_size 1)")
 
     @classmethod
     def from_config(cls, cfg: SGLangConfig, **kwargs: Any) -> "SGLangEngine":
@@ -192,11 +206,15 @@ class SGLangEngine(RolloutEngine):
                                what=f"{method} {slot.url}{path}", sleep=self._sleep, clock=self._clock)
 
     def _admin(self, slot: ServerSlot, path: str, body: Any) -> Any:
-        """A POST whose failure is the caller's failure, as SGLangEngineError."""
+        """A POST whose failure is the caller's failure, as SGLangEngineError. The NCCL-group calls are
+        posted once, never retried: a second /init_weights_update_group or /update_weights_from_distributed
+        leaves the server waiting in NCCL for ranks or broadcasts that never come."""
         try:
+            if path in NOT_RETRIED:
+                return request(slot.url, "POST", path, body, timeout_s=self.cfg.admin_timeout_s)
             return self._call(slot, "POST", path, body)
-        except (RetriesExhausted, ServerRejected) as err:
-            raise SGLangEngineError(str(err)) from err
+        except (RetriesExhausted, ServerRejected, ServerUnreachable, ServerBusy) as err:
+            raise SGLangEngineError(f"POST {slot.url}{path}: {err}") from err
 
     def _map(self, fn: Callable[[ServerSlot], Any], slots: Sequence[ServerSlot]) -> list[Any]:
         """Run fn on every slot concurrently; wait for all, then raise the first error."""
@@ -313,8 +331,7 @@ class SGLangEngine(RolloutEngine):
 
     def _generate_chunk(self, prompts: Sequence[Sequence[int]], chunk: list[int], g: int, params: SamplingParams,
                         seeded: bool, routed_shape: tuple[int, int] | None) -> list[Sample]:
-        req = build_generate_request(prompts, chunk, g, params, stop_on_model_eos=self.cfg.stop_on_model_eos,
-                                     seeded=seeded)
+        req = build_generate_request(prompts, chunk, g, params, seeded=seeded)
         where = f"/generate of prompts {chunk[0]}..{chunk[-1]}"
         start = self._clock()
         retry = 0
@@ -387,6 +404,12 @@ class SGLangEngine(RolloutEngine):
 
     def _abort_sync(self) -> None:
         sync, self._sync = self._sync, None
+        for slot in (sync.session or []) if sync is not None else []:
+            # close the session so the next sync can begin one; the sync's own error is what is raised
+            try:
+                request(slot.url, "POST", "/end_weight_update", {}, timeout_s=self.cfg.admin_timeout_s)
+            except (ServerRejected, ServerUnreachable, ServerBusy) as err:
+                log.error("%s: could not end the aborted weight-update session: %s", slot.url, err)
         if sync is not None and sync.posted:
             for slot in sync.targets:
                 slot.weight_version = -1  # may hold a mix of old and new weights: stale until a complete sync
@@ -397,11 +420,15 @@ class SGLangEngine(RolloutEngine):
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], final: bool) -> None:
         new_version = self.weight_version + 1
         sent_any = False
+        session = self.cfg.weight_sync in ("tensor", "distributed")
         for bucket, is_last in _with_last(bucket_named_tensors(named_tensors, self.cfg.bucket_bytes)):
             sent_any = True
             closing = final and is_last
             label = str(new_version) if closing else None
+            if session and self._sync.session is None:
+                self._begin_session()
             if self.cfg.weight_sync == "tensor":
+                self._held_buckets.append(bucket)
                 self._push_tensor_bucket(bucket, flush=closing, weight_version=label)
             elif self.cfg.weight_sync == "distributed":
                 self._push_distributed_bucket(bucket, flush=closing, weight_version=label)
@@ -413,6 +440,10 @@ class SGLangEngine(RolloutEngine):
             self._finish_disk_sync(new_version)
         elif not sent_any:
             self._map(lambda s: self._sync_post(s, "/flush_cache", None), self._posting_targets())
+        if self._sync.session:
+            self._map(lambda s: self._sync_post(s, "/end_weight_update", {}), self._sync.session)
+        if self.colocated is None:
+            self.release_sync_buffers()  # every server this process fed has answered, session closed
         sync, self._sync = self._sync, None
         for slot in sync.targets:
             if id(slot) in sync.failed:
@@ -428,20 +459,46 @@ class SGLangEngine(RolloutEngine):
             return [own] if self.colocated.is_leader and own in self._sync.live() else []
         return self._sync.live()
 
-    def _sync_post(self, slot: ServerSlot, path: str, body: Any) -> None:
-        """A sync call to one server. A server that stops answering is recovered and dropped from the rest of
-        this sync; a rejection (bad payload, failed load) is a bug and raised."""
+    def _sync_post(self, slot: ServerSlot, path: str, body: Any, *, missing_ok: bool = False) -> bool:
+        """A sync call to one server; True when it was answered. A server that stops answering is recovered
+        and dropped from the rest of this sync; a rejection (bad payload, failed load) is a bug and raised,
+        except a 404 with ``missing_ok`` (an endpoint older servers lack)."""
         if id(slot) in self._sync.failed or slot.dead:
-            return
+            return False
         self._sync.posted = True
         try:
             self._call(slot, "POST", path, body)
+            return True
         except ServerRejected as err:
+            if missing_ok and err.status == 404:
+                return False
             raise SGLangEngineError(f"weight sync v{self.weight_version + 1} rejected by {slot.url}{path}: {err}") from err
         except RetriesExhausted as err:
             self._sync.failed.add(id(slot))
             log.error("%s dropped from weight sync v%d: %s", slot.url, self.weight_version + 1, err)
             self._recover(slot, str(err))
+            return False
+
+    def _begin_session(self) -> None:
+        """POST /begin_weight_update to the servers this process feeds (skipped where it answers 404)."""
+        self.release_sync_buffers()  # the previous sync's buckets: every rank is past it by now
+        targets = [s for s in self._posting_targets() if self._session_api.get(s.url, True)]
+
+        def begin(slot: ServerSlot) -> bool:
+            begun = self._sync_post(slot, "/begin_weight_update", {}, missing_ok=True)
+            if not begun and id(slot) not in self._sync.failed and not slot.dead:
+                self._session_api[slot.url] = False
+                log.info("%s has no /begin_weight_update (SGLang before 0.5.2x): updating without a session", slot.url)
+            return begun
+
+        self._sync.session = [s for s, begun in zip(targets, self._map(begin, targets)) if begun]
+
+    def release_sync_buffers(self) -> None:
+        """Drop the tensor sync's buckets and let CUDA free the memory the servers' IPC handles pinned.
+        Called once every rank is past the sync (adopt_sync_report) or by the next sync."""
+        self._held_buckets.clear()
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
 
     def _push_tensor_bucket(self, bucket: NamedTensors, *, flush: bool, weight_version: str | None) -> None:
         payload = serialize_named_tensors(bucket)
@@ -485,7 +542,7 @@ class SGLangEngine(RolloutEngine):
         self._drop_group()
         d = self.cfg.distributed
         members = [s for s in self.slots if not s.dead]
-        offsets, world = rank_offsets([s.info.tp_size * s.info.dp_size for s in members])
+        offsets, world = rank_offsets([s.info.tp_size for s in members])  # dp_size is 1 (checked at start)
         name = f"{d.group_name}-{self._group_generation}"
         futures = [self._pool.submit(self._admin, s, "/init_weights_update_group", init_group_body(
             master_address=d.master_address, master_port=d.master_port, rank_offset=offset, world_size=world,
@@ -560,6 +617,7 @@ class SGLangEngine(RolloutEngine):
         current serves the current weights (and is in service again if this engine had given up on it: the
         poster reached it), one reported not current is stale until the next sync. Servers not in the
         report keep this engine's own view."""
+        self.release_sync_buffers()  # every rank has passed the sync: the servers have copied the buckets
         by_url = {s.url: s for s in self.slots}
         unknown = sorted(set(report) - set(by_url))
         if unknown:
@@ -591,13 +649,19 @@ class SGLangEngine(RolloutEngine):
         self._check_open()
         body = {"tags": list(tags)} if tags else {}
         self._map(lambda s: self._admin(s, "/release_memory_occupation", body), self._memory_slots())
+        self._released |= set(tags or MEMORY_TAGS)
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
-        """POST /resume_memory_occupation. Resuming ['weights'] before a sync and ['kv_cache'] after it keeps
+        """POST /resume_memory_occupation for the released regions among ``tags`` (all when None); nothing
+        when none of them is released. Resuming ['weights'] before a sync and ['kv_cache'] after it keeps
         the peak low; released weights hold garbage until the next sync."""
         self._check_open()
-        body = {"tags": list(tags)} if tags else {}
+        wanted = [t for t in (tags or MEMORY_TAGS) if t in self._released]
+        if not wanted:
+            return
+        body = {"tags": wanted} if tags else {}
         self._map(lambda s: self._admin(s, "/resume_memory_occupation", body), self._memory_slots())
+        self._released -= set(wanted)
 
     def flush_cache(self) -> None:
         """POST /flush_cache to every live server; SGLang refuses (400) while requests run, so that is retried."""

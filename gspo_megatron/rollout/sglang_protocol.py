@@ -26,14 +26,18 @@ class SGLangProtocolError(ValueError):
 # /generate request
 # ----------------------------------------------------------------------------------------------------
 
-def sampling_params_body(params: SamplingParams, *, n: int, stop_on_model_eos: bool,
-                         sampling_seed: int | None) -> dict[str, Any]:
+def sampling_params_body(params: SamplingParams, *, n: int, sampling_seed: int | None) -> dict[str, Any]:
     """One ``sampling_params`` object of a /generate request.
 
     Keys from python/sglang/srt/sampling/sampling_params.py (class SamplingParams). Every sampling key is
     sent explicitly because servers started with ``--sampling-defaults model`` (the default, per
     docs/basic_usage/sampling_params.md) otherwise fill gaps from the model's generation_config.json.
     ``top_k = -1`` disables top-k in SGLang; ours uses 0 for that.
+
+    ``ignore_eos`` is always false: in SGLang (0.5.6.post2 to 0.5.23) ``Req._check_token_based_finish``
+    returns before it reads ``stop_token_ids`` when ``ignore_eos`` is set, so every sample would run to
+    ``max_new_tokens``. The model's own EOS ids (config.json / generation_config.json) therefore stop a
+    response as well as ``stop_token_ids`` do.
     """
     body: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
@@ -42,7 +46,7 @@ def sampling_params_body(params: SamplingParams, *, n: int, stop_on_model_eos: b
         "top_k": params.top_k if params.top_k > 0 else -1,
         "min_p": 0.0,
         "n": n,
-        "ignore_eos": not stop_on_model_eos,
+        "ignore_eos": False,
         # Token ids only in and out; text skipping rules would otherwise decide nothing here.
         "skip_special_tokens": False,
         "no_stop_trim": True,
@@ -66,8 +70,7 @@ class GenerateRequest:
 
 
 def build_generate_request(prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int],
-                           samples_per_prompt: int, params: SamplingParams, *, stop_on_model_eos: bool,
-                           seeded: bool) -> GenerateRequest:
+                           samples_per_prompt: int, params: SamplingParams, *, seeded: bool) -> GenerateRequest:
     """The body of one batched /generate call (io_struct.py GenerateReqInput, docs sampling_params.md).
 
     ``input_ids`` is always a list of lists so a batch of one is still a batch (GenerateReqInput
@@ -86,13 +89,13 @@ def build_generate_request(prompts: Sequence[Sequence[int]], prompt_indices: Seq
     if not seeded:
         body["input_ids"] = chosen
         body["sampling_params"] = sampling_params_body(
-            params, n=samples_per_prompt, stop_on_model_eos=stop_on_model_eos, sampling_seed=None)
+            params, n=samples_per_prompt, sampling_seed=None)
         expansion = "n"
     else:
         base_seed = params.seed if params.seed is not None else 0
         body["input_ids"] = [ids for ids in chosen for _ in range(samples_per_prompt)]
         body["sampling_params"] = [
-            sampling_params_body(params, n=1, stop_on_model_eos=stop_on_model_eos,
+            sampling_params_body(params, n=1,
                                  sampling_seed=sample_seed(base_seed, params.prompt_offset + i, j))
             for i in prompt_indices for j in range(samples_per_prompt)
         ]
@@ -214,6 +217,10 @@ class ServerInfo:
     routed_experts: bool
     skip_tokenizer_init: bool
     version: str
+    base_gpu_id: int = 0  # the server's GPUs are base_gpu_id .. + tp_size * dp_size - 1 of its node
+
+    def gpus(self) -> range:
+        return range(self.base_gpu_id, self.base_gpu_id + self.tp_size * self.dp_size)
 
 
 def parse_server_info(info: Any, where: str) -> ServerInfo:
@@ -227,7 +234,7 @@ def parse_server_info(info: Any, where: str) -> ServerInfo:
         memory_saver=bool(info.get("enable_memory_saver", False)),
         routed_experts=bool(info.get("enable_return_routed_experts", False)),
         skip_tokenizer_init=bool(info.get("skip_tokenizer_init", False)),
-        version=str(info.get("version", "unknown")))
+        version=str(info.get("version", "unknown")), base_gpu_id=int(info.get("base_gpu_id", 0)))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import base64
 import datetime
+import importlib
+import importlib.util
 import inspect
 import io
 import json
+import logging
 import os
 import shutil
 from multiprocessing.reduction import ForkingPickler
@@ -27,6 +30,11 @@ import torch
 from gspo_megatron.conversion.export import bucket_named_tensors, tensor_nbytes  # noqa: F401 (re-exported)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+log = logging.getLogger(__name__)
+
+# Where SGLang keeps monkey_patch_torch_reductions: utils/patch_torch.py in 0.5.x, patch_torch.py before.
+_PATCH_MODULES = ("sglang.srt.utils.patch_torch", "sglang.srt.patch_torch")
+_reductions_state: dict[str, bool] = {}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -48,10 +56,38 @@ def bucket_metadata(bucket: NamedTensors) -> dict[str, list]:
 # Request bodies (field names from python/sglang/srt/managers/io_struct.py and sglang_for_rl.md)
 # ----------------------------------------------------------------------------------------------------
 
+def _patch_module() -> str | None:
+    if importlib.util.find_spec("sglang") is None:
+        return None
+    for name in _PATCH_MODULES:
+        if importlib.util.find_spec(name.rsplit(".", 1)[0]) is not None and importlib.util.find_spec(name) is not None:
+            return name
+    return None
+
+
+def uuid_reductions() -> bool:
+    """Make CUDA IPC handles carry the GPU's UUID instead of this process's device index, with SGLang's own
+    ``monkey_patch_torch_reductions`` (the server side rebuilds either form; a UUID survives a different
+    CUDA_VISIBLE_DEVICES in the server). True when patched; without sglang importable here, the handles
+    carry the index and the server must number the GPUs as this process does (--base-gpu-id)."""
+    if "patched" not in _reductions_state:
+        name = _patch_module()
+        if name is not None:
+            importlib.import_module(name).monkey_patch_torch_reductions()
+        else:
+            log.warning("sglang is not importable in the trainer: CUDA IPC handles carry device indices, so the "
+                        "servers must see the GPUs numbered as the trainer does")
+        _reductions_state["patched"] = name is not None
+    return _reductions_state["patched"]
+
+
 def serialize_named_tensors(bucket: NamedTensors) -> str:
     """A list of (name, tensor) pickled with ForkingPickler (CUDA tensors become IPC handles; nothing is
-    copied) and base64-encoded so it travels inside JSON. The server must see the same device numbering
-    as this process (launch servers with --base-gpu-id, not a different CUDA_VISIBLE_DEVICES)."""
+    copied) and base64-encoded so it travels inside JSON. The handles name the GPU by UUID when sglang is
+    importable here (``uuid_reductions``). The caller keeps the tensors alive until the server has copied
+    them (SGLang answers once the copies are enqueued)."""
+    if any(t.is_cuda for _, t in bucket):
+        uuid_reductions()
     buf = io.BytesIO()
     ForkingPickler(buf).dump(list(bucket))
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -82,8 +118,10 @@ def update_from_distributed_body(bucket: NamedTensors, *, group_name: str, flush
 
 
 def update_from_disk_body(model_path: str, *, weight_version: str | None) -> dict[str, Any]:
-    """POST /update_weights_from_disk (UpdateWeightFromDiskReqInput)."""
-    body: dict[str, Any] = {"model_path": model_path}
+    """POST /update_weights_from_disk (UpdateWeightFromDiskReqInput). ``load_format`` is always sent: a
+    missing one is filled with the server's launch value (0.5.9 tokenizer_manager.py:1355, 0.5.23 :2295),
+    and a server launched with ``dummy`` cannot load from disk ("Failed to get model loader")."""
+    body: dict[str, Any] = {"model_path": model_path, "load_format": "auto"}
     if weight_version is not None:
         body["weight_version"] = weight_version
     return body

@@ -338,6 +338,10 @@ class Trainer:
         else:
             batch, reward_metrics, age = self._rollout_ahead()
         timings["time_rollout_s"] = time.perf_counter() - t0
+        if self.engine.releases_memory and self.ahead is None:
+            # colocated servers give their GPUs back while the trainer works; sync_weights resumes them
+            # (the rollout's all-gather has already passed: no rank still generates)
+            self.engine.release_memory()
 
         # 3. group advantages (Eq. 6) over whole groups
         rewards = torch.tensor([r for _, _, rs in batch for r in rs], dtype=torch.float32).view(len(batch), G)
@@ -432,6 +436,7 @@ class Trainer:
     def sync_weights(self) -> dict[str, float]:
         from gspo_megatron.rollout.weight_sync import sync_weights
 
+        self.engine.resume_memory(["weights"])  # a no-op unless released (RolloutEngine.releases_memory)
         stats = sync_weights(self.policy.ddp, self.model_config, self.engine)
         if self.config.rollout.engine == "sglang" and dist.get_world_size() > 1:
             from gspo_megatron.trainer.rollout_setup import share_sync_report
@@ -439,6 +444,7 @@ class Trainer:
             # the posting ranks' word on which servers took the weights; also the barrier that keeps every
             # rank from generating before the servers hold them
             share_sync_report(self.engine)
+        self.engine.resume_memory(["kv_cache", "cuda_graph"])
         return stats
 
     def evaluate(self) -> dict[str, float]:

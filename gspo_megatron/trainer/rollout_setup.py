@@ -23,8 +23,13 @@ The placement functions are pure (tested without processes); ``connect_sglang`` 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import os
+import socket
 from typing import Mapping
+from urllib.parse import urlparse
 
+import torch
 import torch.distributed as dist
 
 from gspo_megatron.rollout.sglang_config import SGLangConfig
@@ -113,6 +118,48 @@ def colocated_layout(cfg: SGLangConfig, place: LaunchEnv) -> ColocatedLayout:
     return ColocatedLayout(place.num_nodes, L, per_node, L // per_node)
 
 
+def launch_wait_s(cfg: SGLangConfig) -> float:
+    """How long the other ranks wait for rank 0's launch: the servers' start-up timeout (they start
+    concurrently), the server-info reads after it, and a margin; always longer than the launch may take."""
+    return cfg.launch.startup_timeout_s + cfg.admin_timeout_s * (cfg.max_retries + 1) + 120.0
+
+
+def this_host_names() -> set[str]:
+    """Names and addresses under which a server URL points at this node."""
+    names = {"localhost", "127.0.0.1", "0.0.0.0", "::1", socket.gethostname(), socket.getfqdn()}
+    _, aliases, addresses = socket.gethostbyname_ex(socket.gethostname())
+    return names | set(aliases) | set(addresses)
+
+
+def check_sync_placement(cfg: SGLangConfig, engine: SGLangEngine, trainer_gpu: int, host_names: set[str]) -> None:
+    """Distributed sync puts trainer rank 0 and every server GPU in one NCCL group; NCCL refuses two ranks
+    on one GPU ("Duplicate GPU detected", ncclInvalidUsage). Servers on the trainer's GPUs take CUDA IPC
+    (weight_sync 'tensor'). Run on trainer rank 0, whose GPU is ``trainer_gpu`` of this node."""
+    if cfg.weight_sync != "distributed":
+        return
+    clash = [s.url for s in engine.slots
+             if urlparse(s.url).hostname in host_names and trainer_gpu in s.info.gpus()]
+    if clash:
+        raise SGLangSetupError(
+            f"{PATH}.weight_sync: 'distributed' would put trainer rank 0 (GPU {trainer_gpu}) and {clash} on one GPU "
+            f"in one NCCL group, which NCCL refuses; use weight_sync 'tensor' for servers on the trainer's GPUs "
+            f"('distributed' is for servers on GPUs of their own)")
+
+
+def _trainer_gpu() -> int:
+    """This process's GPU as the node numbers it (what a server's --base-gpu-id counts in)."""
+    index = torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    return int(ids[index]) if ids and all(v.isdigit() for v in ids) else index
+
+
+def _checked(rank: "SGLangRank", engine: SGLangEngine) -> tuple["SGLangRank", SGLangEngine]:
+    if rank.posts_weights and torch.cuda.is_available():
+        check_sync_placement(rank.cfg, engine, _trainer_gpu(), this_host_names())
+    return rank, engine
+
+
 # ---------------------------------------------------------------------------------------------- ranks
 
 
@@ -136,7 +183,7 @@ def connect_sglang(cfg: SGLangConfig, environ: Mapping[str, str]) -> tuple[SGLan
     environment ``environ`` (trainer/launch_env.py: torchrun's or srun's variables)."""
     if dist.get_world_size() == 1:
         rank = SGLangRank(cfg, posts_weights=True, colocated=None)
-        return rank, rank.build_engine()
+        return _checked(rank, rank.build_engine())
     place = resolve_launch(environ)
     if (place.rank, place.world_size) != (dist.get_rank(), dist.get_world_size()):
         raise SGLangSetupError(f"the launch environment says rank {place.rank} of {place.world_size}, "
@@ -153,26 +200,29 @@ def connect_sglang(cfg: SGLangConfig, environ: Mapping[str, str]) -> tuple[SGLan
     posts = sglang_pushes(cfg, place.rank, place.world_size)
     if cfg.launch is None:
         rank = SGLangRank(cfg, posts, colocated)
-        return rank, rank.build_engine()
+        return _checked(rank, rank.build_engine())
+    # The URLs travel over a gloo group of their own whose timeout outlasts the launch (the default group's
+    # is the trainer's collective timeout, shorter than loading a large model and capturing CUDA graphs).
+    wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=launch_wait_s(cfg)))
     if launches:
-        return _launch_and_share(SGLangRank(cfg, posts, colocated))
+        return _checked(*_launch_and_share(SGLangRank(cfg, posts, colocated), wait))
     box: list[dict | None] = [None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=wait)
     if "error" in box[0]:
         raise SGLangSetupError(f"rank 0 could not launch the SGLang servers ({PATH}.launch): {box[0]['error']}")
     rank = SGLangRank(attach_config(cfg, box[0]["urls"]), posts, colocated)
-    return rank, rank.build_engine()
+    return _checked(rank, rank.build_engine())
 
 
-def _launch_and_share(rank: SGLangRank) -> tuple[SGLangRank, SGLangEngine]:
+def _launch_and_share(rank: SGLangRank, group) -> tuple[SGLangRank, SGLangEngine]:
     """On global rank 0: launch, then broadcast the servers' URLs, or the launch error so that the other
     ranks stop with it instead of waiting for URLs that never come."""
     try:
         engine = rank.build_engine()
     except Exception as err:
-        dist.broadcast_object_list([{"error": f"{type(err).__name__}: {err}"}], src=0)
+        dist.broadcast_object_list([{"error": f"{type(err).__name__}: {err}"}], src=0, group=group)
         raise
-    dist.broadcast_object_list([{"urls": [s.url for s in engine.slots]}], src=0)
+    dist.broadcast_object_list([{"urls": [s.url for s in engine.slots]}], src=0, group=group)
     return rank, engine
 
 
@@ -189,5 +239,6 @@ def share_sync_report(engine: SGLangEngine) -> dict[str, bool]:
     return merged
 
 
-__all__ = ["ColocatedLayout", "SGLangRank", "SGLangSetupError", "attach_config", "colocated_layout",
-           "connect_sglang", "launching_rank", "share_sync_report", "sglang_pushes"]
+__all__ = ["ColocatedLayout", "SGLangRank", "SGLangSetupError", "attach_config", "check_sync_placement",
+           "colocated_layout", "connect_sglang", "launch_wait_s", "launching_rank", "share_sync_report",
+           "sglang_pushes", "this_host_names"]

@@ -35,13 +35,20 @@ HOST = "127.0.0.1"
 class StandinState:
     tp_size: int = 1
     dp_size: int = 1
+    base_gpu_id: int = 0
     vocab: int = 64
     deterministic: bool = False
     memory_saver: bool = True
     routed_experts: tuple[int, int] | None = None  # (layers, top_k) when started "with" --enable-return-routed-experts
     num_experts: int = 8
     old_api: bool = False  # answer 404 on /server_info like SGLang before the rename
+    # SGLang 0.5.23 (PR #28001): tensor and distributed updates only inside begin/end_weight_update;
+    # False plays an older server, which answers 404 on both endpoints and needs no session.
+    weight_update_session: bool = True
+    session_open: bool = False
+    load_format: str = "auto"  # the server's --load-format; disk updates without one inherit it
     fail_generate: int = 0  # answer 503 to the next N /generate
+    fail_paths: dict = dataclasses.field(default_factory=dict)  # path -> answer 503 to the next N posts there
     drop_generate: int = 0  # close the connection without an answer for the next N /generate
     die_on_generate: int = 0  # process mode: exit during the Nth /generate (counted from start)
     trim_stop_in_output_ids: bool = False  # like detokenizer_manager.trim_matched_stop on decode ids
@@ -56,7 +63,7 @@ class StandinState:
     sample_counter: int = 0
 
     def server_info(self) -> dict[str, Any]:
-        return {"tp_size": self.tp_size, "dp_size": self.dp_size, "model_path": "standin",
+        return {"tp_size": self.tp_size, "dp_size": self.dp_size, "base_gpu_id": self.base_gpu_id, "model_path": "standin",
                 "enable_deterministic_inference": self.deterministic, "enable_memory_saver": self.memory_saver,
                 "enable_return_routed_experts": self.routed_experts is not None, "skip_tokenizer_init": True,
                 "version": "standin (not SGLang)"}
@@ -86,7 +93,8 @@ def _check_sampling(sp: Any) -> None:
 def _one_output(state: StandinState, prompt: list[int], sp: dict, sample_key: int, want_routed: bool) -> dict:
     seed = sp.get("sampling_seed")
     rng = random.Random(f"{prompt}|{seed}" if seed is not None else f"{prompt}|{sample_key}")
-    stops = set(sp.get("stop_token_ids") or [])
+    # SGLang's Req._check_token_based_finish returns before it reads stop_token_ids when ignore_eos is set
+    stops = set() if sp.get("ignore_eos") else set(sp.get("stop_token_ids") or [])
     tokens, logprobs = [], []
     reason: dict[str, Any] = {"type": "length", "length": sp.get("max_new_tokens", 128)}
     for k in range(sp.get("max_new_tokens", 128)):
@@ -158,8 +166,35 @@ def _need(body: dict, *fields: str) -> None:
         raise BadRequest(f"missing fields {missing}")
 
 
+_SESSION = "must run between begin_weight_update() and end_weight_update()"
+
+
+def _in_session(state: StandinState, what: str) -> dict | None:
+    """0.5.23 scheduler_components/weight_updater.py: success=false (HTTP 400) outside a session."""
+    if state.weight_update_session and not state.session_open:
+        return {"success": False, "message": f"{what} {_SESSION}"}
+    return None
+
+
+def begin_weight_update(state: StandinState, body: dict) -> dict:
+    if state.session_open:
+        return {"success": False, "message": "a weight update session is already open"}
+    state.session_open = True
+    return _ok()
+
+
+def end_weight_update(state: StandinState, body: dict) -> dict:
+    if not state.session_open:
+        return {"success": False, "message": "end_weight_update without begin_weight_update"}
+    state.session_open = False
+    return _ok()
+
+
 def update_from_tensor(state: StandinState, body: dict) -> dict:
     _need(body, "serialized_named_tensors")
+    refused = _in_session(state, "update_weights_from_tensor")
+    if refused:
+        return refused
     payloads = body["serialized_named_tensors"]
     if not isinstance(payloads, list) or len(payloads) != state.tp_size:
         raise BadRequest(f"serialized_named_tensors must have one entry per TP rank ({state.tp_size})")
@@ -183,6 +218,9 @@ def update_from_distributed(state: StandinState, body: dict) -> dict:
     _need(body, "names", "dtypes", "shapes")
     if not len(body["names"]) == len(body["dtypes"]) == len(body["shapes"]):
         raise BadRequest("names, dtypes and shapes differ in length")
+    refused = _in_session(state, "update_weights_from_distributed")
+    if refused:
+        return refused
     name = body.get("group_name", "weight_update_group")
     if name not in state.groups:
         return {"success": False, "message": f"group {name} is not initialized"}
@@ -193,6 +231,10 @@ def update_from_distributed(state: StandinState, body: dict) -> dict:
 
 def update_from_disk(state: StandinState, body: dict) -> dict:
     _need(body, "model_path")
+    # tokenizer_manager fills a missing load_format from the launch value; a 'dummy' server then gets a
+    # DummyModelLoader, which cannot load from disk (0.5.9 tokenizer_manager.py:1355, model_runner)
+    if (body.get("load_format") or state.load_format) == "dummy":
+        return {"success": False, "message": "Failed to get model loader: DummyModelLoader cannot update from disk"}
     path = Path(body["model_path"])
     if not (path / "model.safetensors.index.json").exists():
         return {"success": False, "message": f"Failed to load weights from {path}: no checkpoint"}
@@ -270,11 +312,20 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 self.connection.shutdown(2)  # the client sees the connection cut without an answer
                 return
+        with st.lock:
+            injected = st.fail_paths.get(path, 0) > 0
+            if injected:
+                st.fail_paths[path] -= 1
+        if injected:
+            self._reply(503, {"object": "error", "message": f"stand-in: injected 503 on {path}", "code": 503})
+            return
         handlers = {
             "/generate": fake_generate, "/update_weights_from_tensor": update_from_tensor,
             "/init_weights_update_group": init_group, "/update_weights_from_distributed": update_from_distributed,
             "/update_weights_from_disk": update_from_disk,
         }
+        if st.weight_update_session:
+            handlers.update({"/begin_weight_update": begin_weight_update, "/end_weight_update": end_weight_update})
         try:
             if path in handlers and method == "POST":
                 result = handlers[path](st, body or {})

@@ -223,7 +223,7 @@ def test_disk_sync_writes_a_checkpoint_and_points_servers_at_it(tmp_path):
         assert (first / "config.json").exists()
         engine.update_weights([("a", torch.ones(3))], final=True)
         second = srv.bodies("/update_weights_from_disk")[1]
-        assert second == {"model_path": str(tmp_path / "sync" / "weights-v2"), "weight_version": "2"}
+        assert second == {"model_path": str(tmp_path / "sync" / "weights-v2"), "weight_version": "2", "load_format": "auto"}
         assert not first.exists()  # the previous checkpoint is removed once the servers moved on
         with pytest.raises(SGLangEngineError, match="at least one tensor"):
             engine.update_weights([], final=True)

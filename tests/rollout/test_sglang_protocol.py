@@ -36,13 +36,14 @@ def test_sampling_params_body_maps_disabled_top_k_and_sends_every_sampling_key()
     # sampling_params.py: top_k = -1 disables; verify() rejects 0. Servers fill missing keys from the model's
     # generation_config.json (--sampling-defaults model, docs/basic_usage/sampling_params.md).
     body = sampling_params_body(SamplingParams(max_new_tokens=7, temperature=0.7, top_p=0.9, top_k=0,
-                                               stop_token_ids=[2, 5]), n=4, stop_on_model_eos=False, sampling_seed=None)
+                                               stop_token_ids=[2, 5]), n=4, sampling_seed=None)
     assert body["top_k"] == -1
     assert body["n"] == 4 and body["max_new_tokens"] == 7 and body["stop_token_ids"] == [2, 5]
     assert body["temperature"] == 0.7 and body["top_p"] == 0.9 and body["min_p"] == 0.0
-    assert body["ignore_eos"] is True  # only our stop ids end a response
+    # SGLang's ignore_eos also switches stop_token_ids off (Req._check_token_based_finish): never sent true
+    assert body["ignore_eos"] is False
     assert "sampling_seed" not in body
-    body = sampling_params_body(SamplingParams(top_k=20), n=1, stop_on_model_eos=True, sampling_seed=11)
+    body = sampling_params_body(SamplingParams(top_k=20), n=1, sampling_seed=11)
     assert body["top_k"] == 20 and body["ignore_eos"] is False and body["sampling_seed"] == 11
     assert "stop_token_ids" not in body
 
@@ -50,28 +51,28 @@ def test_sampling_params_body_maps_disabled_top_k_and_sends_every_sampling_key()
 def test_unseeded_request_uses_n_and_a_list_of_lists():
     # io_struct.GenerateReqInput: input_ids List[List[int]] for a batch; n in sampling_params.
     prompts = [[1, 2, 3], [4, 5], [6]]
-    req = build_generate_request(prompts, [2], 3, SamplingParams(), stop_on_model_eos=False, seeded=False)
+    req = build_generate_request(prompts, [2], 3, SamplingParams(), seeded=False)
     assert req.body["input_ids"] == [[6]]  # a batch of one is still a list of lists
     assert req.body["sampling_params"]["n"] == 3
     assert req.body["return_logprob"] is True and req.body["logprob_start_len"] == -1
     assert "return_routed_experts" not in req.body
     assert req.expansion == "n" and req.prompt_indices == (2,)
     req = build_generate_request(prompts, [0, 1], 2, SamplingParams(return_routed_experts=True),
-                                 stop_on_model_eos=False, seeded=False)
+                                 seeded=False)
     assert req.body["input_ids"] == [[1, 2, 3], [4, 5]] and req.body["return_routed_experts"] is True
 
 
 def test_seeded_request_repeats_prompts_with_one_distinct_seed_per_sample():
     prompts = [[1, 2], [3, 4]]
-    req = build_generate_request(prompts, [0, 1], 3, SamplingParams(seed=5), stop_on_model_eos=False, seeded=True)
+    req = build_generate_request(prompts, [0, 1], 3, SamplingParams(seed=5), seeded=True)
     assert req.body["input_ids"] == [[1, 2]] * 3 + [[3, 4]] * 3  # prompt-major
     sps = req.body["sampling_params"]
     assert len(sps) == 6 and all(sp["n"] == 1 for sp in sps)
     seeds = [sp["sampling_seed"] for sp in sps]
     assert len(set(seeds)) == 6 and all(0 <= s < 2**63 for s in seeds)
-    again = build_generate_request(prompts, [0, 1], 3, SamplingParams(seed=5), stop_on_model_eos=False, seeded=True)
+    again = build_generate_request(prompts, [0, 1], 3, SamplingParams(seed=5), seeded=True)
     assert [sp["sampling_seed"] for sp in again.body["sampling_params"]] == seeds
-    other = build_generate_request(prompts, [0, 1], 3, SamplingParams(seed=6), stop_on_model_eos=False, seeded=True)
+    other = build_generate_request(prompts, [0, 1], 3, SamplingParams(seed=6), seeded=True)
     assert not set(seeds) & {sp["sampling_seed"] for sp in other.body["sampling_params"]}
     assert sample_seed(5, 0, 1) == seeds[1]
 
@@ -153,7 +154,7 @@ def _out(prompt_len, first_token):
 def test_batched_response_is_grouped_prompt_major():
     # tokenizer_manager._handle_batch_request: for i in prompts, for j in range(n) -> outputs in that order.
     prompts = [[9] * 2, [9] * 3]
-    req = build_generate_request(prompts, [0, 1], 2, SamplingParams(), stop_on_model_eos=False, seeded=False)
+    req = build_generate_request(prompts, [0, 1], 2, SamplingParams(), seeded=False)
     response = [_out(2, 100), _out(2, 101), _out(3, 102), _out(3, 103)]
     samples = parse_generate_response(response, req, prompts, routed_experts_shape=None, where="t")
     assert [s.prompt_index for s in samples] == [0, 0, 1, 1]

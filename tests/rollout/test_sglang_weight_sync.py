@@ -54,7 +54,9 @@ def test_distributed_metadata_and_bodies():
     assert init_group_body(master_address="10.0.0.1", master_port=29600, rank_offset=3, world_size=9, group_name="g",
                            backend="nccl") == {"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 3,
                                                "world_size": 9, "group_name": "g", "backend": "nccl"}
-    assert update_from_disk_body("/ckpt/v2", weight_version="2") == {"model_path": "/ckpt/v2", "weight_version": "2"}
+    # load_format travels always: a server launched with --load-format dummy would otherwise use it for the update
+    assert update_from_disk_body("/ckpt/v2", weight_version="2") == {"model_path": "/ckpt/v2", "weight_version": "2",
+                                                                     "load_format": "auto"}
 
 
 def test_rank_offsets_put_the_trainer_at_rank_zero():
