@@ -1,4 +1,6 @@
-"""Context parallelism (CP), the project's part: which tokens a CP rank holds, and the autograd-aware
+"""NOT WIRED YET: used by tests only, the trainer refuses parallel.context_parallel > 1 (trainer/config.py).
+
+Context parallelism (CP), the project's part: which tokens a CP rank holds, and the autograd-aware
 all-reduce that joins per-sequence sums across the CP group before GSPO's exponent.
 
 Megatron-Core's CP splits every sequence of length s into 2 * CP chunks of s / (2 CP) tokens and gives CP

@@ -105,6 +105,8 @@ class RolloutEngine(abc.ABC):
         released are left alone."""
 
     def healthy(self) -> bool:
+        """True while the engine can serve ``generate``. Not called by the trainer yet, which learns of a
+        failed engine from the exception ``generate`` or ``update_weights`` raises; tests and operators call it."""
         return True
 
     def shutdown(self) -> None:
