@@ -106,7 +106,7 @@ class RolloutEngine(abc.ABC):
 
     def healthy(self) -> bool:
         """True while the engine can serve ``generate``. Not called by the trainer yet, which learns of a
-        failed engine from the exception ``generate`` or ``update_weights`` raises; tests and operators call it."""
+        failed engine from the exception ``generate`` raises (``Trainer._generate``); tests and operators call it."""
         return True
 
     def shutdown(self) -> None:
