@@ -21,7 +21,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.conversion.tables import VOCAB_PARAMS, expand
+from gspo_megatron.conversion.tables import expand
 from gspo_megatron.megatron import sharding
 from gspo_megatron.megatron.model_config import ModelConfig
 
@@ -33,17 +33,6 @@ _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 def _stage_key(name: str) -> str:
     """Experts of a layer share one key (each EP rank holds different ones, all on the same stage)."""
     return _EXPERT.sub(".mlp.experts.local_experts.*.", name)
-
-
-def _full_shape(info: sharding.ShardInfo, local: torch.Tensor, vocab_size: int) -> tuple[int, ...]:
-    shape = list(local.shape)
-    if info.split in ("glu", "dim0"):
-        shape[0] *= info.tp_size
-    elif info.split == "dim1":
-        shape[1] *= info.tp_size
-    if info.canonical_name in VOCAB_PARAMS:
-        shape[0] = vocab_size
-    return tuple(shape)
 
 
 def _local_tensors(model, config: ModelConfig) -> dict[str, tuple[sharding.ShardInfo, torch.Tensor]]:
@@ -62,7 +51,7 @@ def _owners(local: dict, config: ModelConfig) -> dict[str, tuple[int, tuple[int,
     """stage key -> (pipeline stage holding it, full shape, dtype), agreed over the pipeline group."""
     from megatron.core import parallel_state as ps
 
-    mine = {_stage_key(name): (_full_shape(info, t, config.vocab_size), t.dtype) for name, (info, t) in local.items()}
+    mine = {_stage_key(name): (sharding.full_shape(info, t, config.vocab_size), t.dtype) for name, (info, t) in local.items()}
     stages = [mine]
     if ps.get_pipeline_model_parallel_world_size() > 1:
         stages = [None] * ps.get_pipeline_model_parallel_world_size()

@@ -24,7 +24,6 @@ import torch
 from gspo_megatron.megatron import sharding
 
 _SCALED = ("linear_proj.weight", "linear_fc2.weight")
-_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")  # rows: the unpadded vocabulary
 
 
 def _is_norm(name: str) -> bool:
@@ -54,18 +53,6 @@ def canonical_tensor(name: str, shape: tuple[int, ...], *, seed: int, init_metho
     return torch.randn(shape, generator=generator) * std
 
 
-def _full_shape(info: sharding.ShardInfo, local: torch.Tensor, vocab_size: int) -> tuple[int, ...]:
-    """The canonical (unsharded, unpadded) shape of the tensor ``local`` is a slice of."""
-    shape = list(local.shape)
-    if info.split in ("dim0", "glu"):
-        shape[0] *= info.tp_size
-    elif info.split == "dim1":
-        shape[1] *= info.tp_size
-    if info.canonical_name in _VOCAB:
-        shape[0] = vocab_size
-    return tuple(shape)
-
-
 @torch.no_grad()
 def initialise_canonical(model: torch.nn.Module, model_config, seed: int) -> None:
     """Overwrite this rank's parameters of ``model`` (a GPTModel, possibly DDP-wrapped) with their slices
@@ -74,6 +61,7 @@ def initialise_canonical(model: torch.nn.Module, model_config, seed: int) -> Non
     for info, param in sharding.shard_infos(model):
         if tied and info.canonical_name == "output_layer.weight":
             info = dataclasses.replace(info, canonical_name="embedding.word_embeddings.weight")
-        full = canonical_tensor(info.canonical_name, _full_shape(info, param, model_config.vocab_size), seed=seed,
-                                init_method_std=model_config.init_method_std, num_layers=model_config.num_layers)
+        shape = sharding.full_shape(info, param, model_config.vocab_size)
+        full = canonical_tensor(info.canonical_name, shape, seed=seed, init_method_std=model_config.init_method_std,
+                                num_layers=model_config.num_layers)
         param.copy_(sharding.shard(full, info, local_rows=param.shape[0]))

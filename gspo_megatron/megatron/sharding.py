@@ -127,6 +127,18 @@ def shard(full: torch.Tensor, info: ShardInfo, local_rows: int | None = None) ->
     return full.chunk(info.tp_size, dim=dim)[info.tp_rank]
 
 
+def full_shape(info: ShardInfo, local: torch.Tensor, vocab_size: int) -> tuple[int, ...]:
+    """The canonical (unsharded, unpadded) shape of the tensor ``local`` is this rank's slice of."""
+    shape = list(local.shape)
+    if info.split in ("glu", "dim0"):
+        shape[0] *= info.tp_size
+    elif info.split == "dim1":
+        shape[1] *= info.tp_size
+    if info.canonical_name in _VOCAB_PARAMS:
+        shape[0] = vocab_size
+    return tuple(shape)
+
+
 def unshard(local: torch.Tensor, info: ShardInfo, vocab_size: int | None = None) -> torch.Tensor:
     """Gather ``local`` over its TP group into the canonical tensor (collective over that group)."""
     if info.split == "replicated":
