@@ -102,8 +102,26 @@ def own_checkpoint_results_queue() -> None:
     if filesystem_async._results_queue is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    # srun sends SIGUSR1 (preemption) to every process of the step, this helper too, whose default action
+    # is to die (then the checkpoint fails with EOFError). Blocked across the spawn, the mask survives exec:
+    # the helper ignores them before unblocking; this rank gets a pending one once start() returns.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
+    try:
+        manager.start(initializer=_results_queue_manager_init, initargs=(os.getpid(),))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     filesystem_async._results_queue = manager.Queue()
+
+
+PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+def _results_queue_manager_init(parent_pid: int) -> None:
+    """Initializer of the results-queue manager: preemption signals are for the rank; it dies with it."""
+    for sig in PREEMPTION_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
+    die_with_parent(parent_pid)
 
 
 def wrap_command(command: Sequence[str]) -> list[str]:

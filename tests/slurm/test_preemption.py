@@ -88,3 +88,37 @@ def test_a_child_checkpoints_and_exits_zero_on_sigterm(tmp_path) -> None:
     finally:
         child.kill()
     assert (tmp_path / "checkpoint").read_text().startswith("SIGTERM after ")
+
+
+def test_checkpoint_helper_survives_the_signals_srun_sends_to_the_whole_step() -> None:
+    """srun passes SIGUSR1 to every process of a step: Megatron's checkpoint results-queue manager (spawned
+    by gspo_megatron.processes.own_checkpoint_results_queue) must neither die of it while it starts nor
+    after, and the rank must still see the signal. Found by the multi-node preemption test, where the
+    manager died and the preemption checkpoint failed with EOFError."""
+    program = textwrap.dedent("""
+        import os, signal, threading, time
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+        from gspo_megatron.processes import own_checkpoint_results_queue
+        from gspo_megatron.trainer.preemption import PreemptionFlag
+        with PreemptionFlag() as flag:
+            done = threading.Event()
+            def storm():  # what srun does, over and over, while the manager starts
+                while not done.is_set():
+                    os.killpg(0, signal.SIGUSR1)
+                    time.sleep(0.01)
+            thread = threading.Thread(target=storm)
+            thread.start()
+            own_checkpoint_results_queue()
+            done.set()
+            thread.join()
+            for sig in (signal.SIGUSR1, signal.SIGTERM):
+                os.killpg(0, sig)
+            time.sleep(0.5)
+            queue = filesystem_async._results_queue
+            queue.put("alive")
+            print(queue.get(timeout=10), flag.requested, flush=True)
+    """)
+    child = subprocess.run([sys.executable, "-c", program], cwd=REPO_ROOT, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.split() == ["alive", "True"]
