@@ -205,6 +205,31 @@ def test_every_unit_of_the_package_has_a_layer():
     assert units - set(LAYERS) == set()
 
 
+def external_imports(root: Path, package: str, unit: str) -> dict[str, list[str]]:
+    """Top-level names of the third-party or standard modules a unit imports -> 'file:line' of each import."""
+    found: dict[str, list[str]] = {}
+    for name, path in package_modules(root, package).items():
+        if unit_of(name) != unit:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module]
+            else:
+                continue
+            for top in {n.split(".")[0] for n in names} - {package}:
+                found.setdefault(top, []).append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_algorithms_is_pure_torch():
+    """DESIGN: algorithms/ imports nothing from Megatron or SGLang (nor anything else heavy)."""
+    found = external_imports(REPO, PACKAGE, "algorithms")
+    assert "torch" in found  # the parser sees the imports
+    assert {k: v for k, v in found.items() if k in ("megatron", "sglang", "transformer_engine", "apex", "transformers")} == {}
+
+
 # ---- the checker on a synthetic package ---------------------------------------------------------------
 
 
@@ -232,6 +257,13 @@ def synthetic(tmp_path):
         "pkg/trainer/loop.py": "import pkg.megatron.model\nfrom pkg.rollout import engine\n",
     })
     return tmp_path
+
+
+def test_external_imports_name_the_file_and_line(synthetic):
+    _write(synthetic, {"pkg/algorithms/heavy.py": "import os\n\n\ndef f():\n    from megatron.core import parallel_state\n"})
+    found = external_imports(synthetic, "pkg", "algorithms")
+    assert found == {"torch": ["pkg/algorithms/loss.py:1"], "os": ["pkg/algorithms/heavy.py:1"],
+                     "megatron": ["pkg/algorithms/heavy.py:5"]}
 
 
 def test_checker_accepts_a_clean_tree(synthetic):
