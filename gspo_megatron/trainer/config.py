@@ -202,6 +202,10 @@ def check_layout(parallel: ParallelConfig, model: ModelConfig, where: str) -> No
     splits.append(("tensor_parallel", "moe_ffn_hidden_size" if model.is_moe else "ffn_hidden_size"))
     if model.is_moe:
         splits.append(("expert_parallel", "num_experts"))
+        if model.first_dense_layers:
+            splits.append(("tensor_parallel", "ffn_hidden_size"))
+        if model.moe_shared_expert_intermediate_size:
+            splits.append(("tensor_parallel", "moe_shared_expert_intermediate_size"))
     else:
         check(parallel.expert_parallel == 1, "parallel.expert_parallel",
               f"must be 1 for a dense model ({where} num_experts is 0), got {parallel.expert_parallel}")

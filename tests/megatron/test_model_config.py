@@ -135,3 +135,20 @@ def test_model_families_sit_below_megatron_conversion_and_rollout():
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
             for name in names:
                 assert not name.startswith("gspo_megatron") or name.startswith(allowed), f"{path.name}: {name}"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.config.architecture=qwen2_moe", "model.config.moe_shared_expert_intermediate_size=47"],
+     "2 does not divide model.config.moe_shared_expert_intermediate_size=47"),
+    (["model.config.architecture=glm4_moe", "model.config.first_dense_layers=1", "model.config.ffn_hidden_size=47"],
+     "2 does not divide model.config.ffn_hidden_size=47"),
+])
+def test_trainer_layout_checks_the_shared_expert_and_dense_layer_widths(overrides, message):
+    from pathlib import Path
+
+    from gspo_megatron.trainer.config import load_config
+
+    demo = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
+    load_config(demo, ["parallel.tensor_parallel=2"])  # the demo itself divides
+    with pytest.raises(ConfigError, match=r"^parallel\.tensor_parallel: " + message.replace(".", r"\.")):
+        load_config(demo, ["parallel.tensor_parallel=2", *overrides])
