@@ -10,54 +10,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
-import traceback
 import warnings
-from pathlib import Path
-from typing import Callable
 
 from gspo_megatron import processes  # noqa: F401 - first: records the parent pid (processes.STARTED_BY)
-
-EXIT_CRASH, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
-DEBUG_ENV = "GSPO_DEBUG"  # set from --debug, so torchrun's ranks inherit it
-
-
-def is_bad_input(err: BaseException) -> bool:
-    """Our own error types (each names the file, key or field) and OS errors on the user's paths; the rest
-    are crashes."""
-    own = isinstance(err, ValueError) and type(err).__module__.startswith("gspo_megatron")
-    return own or isinstance(err, OSError)
-
-
-def _save_traceback(command: str, text: str) -> Path:
-    folder = Path(tempfile.gettempdir()) / "gspo-megatron-errors"
-    folder.mkdir(exist_ok=True)
-    path = folder / f"{command}-{os.getpid()}.log"
-    path.write_text(text)
-    return path
-
-
-def run_reporting_errors(command: str, fn: Callable[[], int]) -> int:
-    """``fn()``, with any error reported in one line (see the module docstring) instead of a traceback."""
-    try:
-        return fn()
-    except KeyboardInterrupt:
-        print(f"gspo-megatron {command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as err:  # noqa: BLE001 - the one place every error is reported, then the exit status
-        text = traceback.format_exc()
-        rank = os.environ.get("RANK")
-        prefix = f"gspo-megatron {command}" + (f" (rank {rank})" if rank not in (None, "0") else "")
-        if os.environ.get(DEBUG_ENV) == "1":
-            sys.stderr.write(text)
-        if is_bad_input(err):
-            print(f"{prefix}: error: {err}", file=sys.stderr, flush=True)
-            return EXIT_BAD_INPUT
-        hint = ("" if os.environ.get(DEBUG_ENV) == "1"
-                else f" (traceback: {_save_traceback(command, text)}; --debug prints it)")
-        print(f"{prefix}: error: {type(err).__name__}: {err}{hint}", file=sys.stderr, flush=True)
-        return EXIT_CRASH
-
+from gspo_megatron.reporting import DEBUG_ENV, run_reporting_errors
 
 def _quiet_known_warnings() -> None:
     """Megatron warns at import about every optional CUDA library it does not find (apex, Transformer

@@ -71,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a conversion command; an error is reported in one line (gspo_megatron.cli.run_reporting_errors)
+    """Run a conversion command; an error is reported in one line (gspo_megatron.reporting.run_reporting_errors)
     as EXIT_BAD_INPUT or EXIT_CRASH."""
-    from gspo_megatron.cli import run_reporting_errors
+    from gspo_megatron.reporting import run_reporting_errors
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     return run_reporting_errors("convert", lambda: _run(args))

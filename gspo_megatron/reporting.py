@@ -1,0 +1,55 @@
+"""How every command reports an error: one line ``gspo-megatron COMMAND: error: ...`` and an exit status.
+Exit status 2: bad input (our own error types and OS errors, which name the file, key or field); 1: an
+unexpected error (the line names the exception type and the file holding its traceback); 130: interrupted.
+``GSPO_DEBUG=1`` (``--debug`` on the command line) prints the full traceback instead.
+
+At the bottom of the package so that every command line (``cli``, ``conversion/cli``) can use it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Callable
+
+EXIT_CRASH, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
+DEBUG_ENV = "GSPO_DEBUG"  # set from --debug, so torchrun's ranks inherit it
+
+
+def is_bad_input(err: BaseException) -> bool:
+    """Our own error types (each names the file, key or field) and OS errors on the user's paths; the rest
+    are crashes."""
+    own = isinstance(err, ValueError) and type(err).__module__.startswith("gspo_megatron")
+    return own or isinstance(err, OSError)
+
+
+def _save_traceback(command: str, text: str) -> Path:
+    folder = Path(tempfile.gettempdir()) / "gspo-megatron-errors"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{command}-{os.getpid()}.log"
+    path.write_text(text)
+    return path
+
+
+def run_reporting_errors(command: str, fn: Callable[[], int]) -> int:
+    """``fn()``, with any error reported in one line (see the module docstring) instead of a traceback."""
+    try:
+        return fn()
+    except KeyboardInterrupt:
+        print(f"gspo-megatron {command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:  # noqa: BLE001 - the one place every error is reported, then the exit status
+        text = traceback.format_exc()
+        rank = os.environ.get("RANK")
+        prefix = f"gspo-megatron {command}" + (f" (rank {rank})" if rank not in (None, "0") else "")
+        if os.environ.get(DEBUG_ENV) == "1":
+            sys.stderr.write(text)
+        if is_bad_input(err):
+            print(f"{prefix}: error: {err}", file=sys.stderr, flush=True)
+            return EXIT_BAD_INPUT
+        hint = ("" if os.environ.get(DEBUG_ENV) == "1"
+                else f" (traceback: {_save_traceback(command, text)}; --debug prints it)")
+        print(f"{prefix}: error: {type(err).__name__}: {err}{hint}", file=sys.stderr, flush=True)
+        return EXIT_CRASH
