@@ -131,7 +131,9 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
                  zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
         if config.normalization != "RMSNorm":
             raise ValueError(f"SequenceParallelRMSNorm needs normalization='RMSNorm', got {config.normalization!r}")
-        super().__init__(hidden_size, eps=eps)
+        # in the parameter dtype, as TE's and apex's norms are: bf16 models keep one dtype for every
+        # parameter (Megatron's mixed-precision optimizer and its checkpoints expect that)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
 
 
@@ -185,6 +187,11 @@ def activate() -> bool:
     tracker_cls = type("CpuRNGStatesTracker", (CpuRNGStatesTracker, mc_random.CudaRNGStatesTracker), {})
     mc_random.CudaRNGStatesTracker = tracker_cls
     mc_random.initialize_rng_tracker(force_reset=True)
+    # 5b. Activation recomputation (CheckpointFunction, _fork_rng) saves and restores the CUDA generator
+    #     next to the CPU one and the tracker's. An empty state is exact: on CPU the CPU generator and the
+    #     CPU tracker, which those functions save anyway, are all the randomness there is.
+    mc_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mc_random._set_cuda_rng_state = lambda *args, **kwargs: None
 
     # 6. moe_utils refers to te_general_gemm, which is only defined when Transformer Engine imports.
     #    Its own code falls back to torch when the name is None.

@@ -10,6 +10,9 @@ import torch
 from gspo_megatron.typed_config import check
 
 
+PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 @dataclasses.dataclass
 class OptimizerConfig:
     """Adam with decoupled weight decay, gradient-norm clipping and a warm-up + decay LR schedule."""
@@ -35,8 +38,13 @@ class OptimizerConfig:
         check(self.clip_grad >= 0, f"{path}.clip_grad", "must be >= 0 (0 disables clipping)")
 
 
-def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool):
-    """Megatron's optimizer over the DDP-wrapped model ``ddp`` and its LR schedule: (optimizer, scheduler)."""
+def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, precision: str = "fp32"):
+    """Megatron's optimizer over the DDP-wrapped model ``ddp`` and its LR schedule: (optimizer, scheduler).
+
+    ``precision`` bf16 / fp16 (the model's parameter dtype, ``model.ModelRuntime``): Megatron's
+    mixed-precision optimizer (Float16OptimizerWithFloat16Params, or the distributed optimizer) keeps fp32
+    main weights and steps them from the fp32 gradient buffers; fp16 adds dynamic loss scaling, installed as
+    the model config's ``grad_scale_func`` so the schedule scales every micro-batch loss."""
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -44,9 +52,12 @@ def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool):
     optimizer = get_megatron_optimizer(
         MegatronOptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                                 adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                                clip_grad=optim.clip_grad, params_dtype=torch.float32,
+                                clip_grad=optim.clip_grad, params_dtype=PARAMS_DTYPES[precision],
+                                bf16=precision == "bf16", fp16=precision == "fp16",
                                 use_distributed_optimizer=distributed_optimizer),
         [ddp])
+    if precision == "fp16":
+        ddp.config.grad_scale_func = optimizer.scale_loss
     decay_steps = max(optim.decay_steps, optim.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,

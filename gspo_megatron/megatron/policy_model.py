@@ -168,7 +168,8 @@ class PolicyModel:
         """A fresh Megatron optimizer (Adam state empty) and LR schedule; ``lr`` overrides the config's
         (the supervised warm start uses its own rate, then RL starts from a clean state)."""
         optim = self.optim_config if lr is None else warm_start_config(self.optim_config, lr)
-        self.optimizer, self.scheduler = build_optimizer(optim, self.ddp, self.parallel.distributed_optimizer)
+        self.optimizer, self.scheduler = build_optimizer(optim, self.ddp, self.parallel.distributed_optimizer,
+                                                         self.runtime.precision)
 
     # ---- helpers -------------------------------------------------------------------------------
     @property

@@ -16,6 +16,7 @@ import yaml
 
 from gspo_megatron.algorithms.config import LossConfig
 from gspo_megatron.data.config import DataConfig
+from gspo_megatron.megatron.model import ModelRuntime
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.parallel import ParallelConfig
 from gspo_megatron.megatron.optimizer import OptimizerConfig
@@ -28,16 +29,25 @@ from gspo_megatron.typed_config import ConfigError, build, check, to_dict
 class ModelSection:
     """Either ``hf_dir`` (a Hugging Face folder: config.json, safetensors, tokenizer) or an inline
     ``config`` with random initialisation (the CPU demo). ``tokenizer_dir`` defaults to ``hf_dir``, and
-    to the repository's demo tokenizer when neither is set."""
+    to the repository's demo tokenizer when neither is set. ``precision`` (fp32 | bf16 | fp16),
+    ``recompute`` (none | selective | full) and ``layer_spec`` (auto | te | local): how the model runs
+    (megatron/model.py ModelRuntime; docs/gpu.md)."""
 
     hf_dir: str | None = None
     config: ModelConfig | None = None
     tokenizer_dir: str | None = None
     init_seed: int = 1234
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    recompute: Literal["none", "selective", "full"] = "none"
+    layer_spec: Literal["auto", "te", "local"] = "auto"
 
     def validate(self, path: str) -> None:
         check((self.hf_dir is None) != (self.config is None), f"{path}.hf_dir",
               "set exactly one of model.hf_dir and model.config")
+
+    @property
+    def runtime(self) -> ModelRuntime:
+        return ModelRuntime(precision=self.precision, recompute=self.recompute, layer_spec=self.layer_spec)
 
 
 @dataclasses.dataclass

@@ -70,14 +70,15 @@ class Trainer:
         # log-probs of softmax(logits / T), the distribution the rollout samples from
         self.policy = PolicyModel(self.model_config, config.parallel, config.optimizer, config.loss,
                                   max_tokens_per_microbatch=config.train.max_tokens_per_microbatch,
-                                  temperature=config.rollout.temperature)
+                                  temperature=config.rollout.temperature, runtime=config.model.runtime)
         self.dp_size, self.dp_rank = self.policy.groups.dp_size, self.policy.groups.dp_rank
         self.reference = None
         if config.loss.kl_coef > 0:
             # a frozen copy of the initial weights; built only when the KL term is on
             self.reference = PolicyModel(self.model_config, config.parallel, config.optimizer, config.loss,
                                          max_tokens_per_microbatch=config.train.max_tokens_per_microbatch,
-                                         frozen=True, temperature=config.rollout.temperature)
+                                         frozen=True, temperature=config.rollout.temperature,
+                                         runtime=config.model.runtime)
         # How this rank reaches SGLang servers: set by the first _build_engine (a collective over all
         # ranks), reused by rebuilds after a failure, which run on the failed ranks only.
         self._sglang_rank = None
