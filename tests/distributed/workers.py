@@ -52,6 +52,11 @@ def logits_and_grads(model_config, parallel: ParallelConfig, batch: int = 4, seq
 
         def loss_func(logits):
             logits_out.append(logits.detach().clone())
+            # the padded vocabulary (divisor x TP rows, so layout-dependent) takes no probability mass
+            v_local = logits.shape[-1]
+            start = ps.get_tensor_model_parallel_rank() * v_local
+            padding = torch.arange(start, start + v_local) >= model_config.vocab_size
+            logits = logits.masked_fill(padding, float("-inf"))
             # [b, s, v/TP] -> per-token CE over the vocab-parallel logits (Megatron's own kernel)
             ce = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
                                                               labels.transpose(0, 1).contiguous())
