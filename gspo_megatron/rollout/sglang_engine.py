@@ -733,10 +733,17 @@ def launch_servers(cfg: SGLangConfig, *, command_for: Callable[[int], list[str]]
                                env=launch_env(launch), startup_timeout_s=launch.startup_timeout_s,
                                poll_s=launch.health_poll_s)
                  for i in range(launch.servers)]
+    # spawned from this thread, so that they die with it (ServerProcess.spawn); the health waits run in parallel
+    spawn_errors = []
+    for p in processes:
+        try:
+            p.spawn()
+        except ServerStartError as err:  # a port in use: reported with the others below
+            spawn_errors.append(err)
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(processes)) as pool:
-        futures = [pool.submit(p.start) for p in processes]
+        futures = [pool.submit(p.wait_ready) for p in processes if p.alive()]
         concurrent.futures.wait(futures)
-    errors = [f.exception() for f in futures if f.exception() is not None]
+    errors = spawn_errors + [f.exception() for f in futures if f.exception() is not None]
     if errors:
         for p in processes:
             p.stop()

@@ -16,6 +16,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Callable, Sequence
 
+from gspo_megatron.processes import wrap_command
 from gspo_megatron.rollout.sglang_http import SGLangHTTPError, request
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,13 @@ class ServerProcess:
 
     def start(self) -> None:
         """Start the process and block until it is healthy (or raise ServerStartError)."""
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the process without waiting. It dies with the *thread* that calls this (the kernel's parent
+        death signal names the thread), also when the trainer is killed with SIGKILL: call it from a thread
+        that lives as long as the server should (the main thread), then ``wait_ready`` from anywhere."""
         if self.alive():
             raise RuntimeError(f"server for {self.url} is already running (pid {self._proc.pid})")
         parts = urllib.parse.urlsplit(self.url)
@@ -99,11 +107,14 @@ class ServerProcess:
         with open(self.log_path, "ab") as log_file:
             log_file.write(f"\n===== start {self.starts + 1}: {' '.join(self.command)}\n".encode())
             log_file.flush()
-            self._proc = subprocess.Popen(self.command, stdout=log_file, stderr=subprocess.STDOUT,
+            self._proc = subprocess.Popen(wrap_command(self.command), stdout=log_file, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
                                           start_new_session=True)
         self.starts += 1
         log.info("started %s (pid %d), log %s", self.url, self._proc.pid, self.log_path)
+
+    def wait_ready(self) -> None:
+        """Block until the spawned server is healthy; stop it and raise ServerStartError otherwise."""
         try:
             wait_healthy(self.url, deadline_s=self.startup_timeout_s, poll_s=self.poll_s,
                          health_path=self.health_path, alive=self.alive, describe=self._describe)

@@ -388,3 +388,34 @@ def test_colocated_leader_reports_its_own_server_only():
             engine.update_weights([("w", torch.ones(4))], final=True)
         assert leader.sync_report() == {b.url: True} and other.sync_report() == {}
         assert len(b.bodies("/update_weights_from_tensor")) == 1 and not a.bodies("/update_weights_from_tensor")
+
+
+def test_launched_servers_die_with_the_trainer_even_on_sigkill(tmp_path):
+    """launch_servers from a process that is then SIGKILLed: no server it started survives (they are spawned
+    from the launching thread with a parent-death signal, processes.wrap_command)."""
+    import subprocess
+    import time
+
+    script = tmp_path / "owner.py"
+    script.write_text(
+        "import sys, time\n"
+        "from tests.rollout.test_sglang_engine import _launch\n"
+        "from pathlib import Path\n"
+        "engine = _launch(Path(sys.argv[1]), servers=2)\n"
+        "print(' '.join(str(s.process._proc.pid) for s in engine.slots), flush=True)\n"
+        "time.sleep(600)\n")
+    repo = Path(__file__).resolve().parents[2]
+    owner = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=repo, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 2
+        for pid in pids:
+            os.kill(pid, 0)  # both running
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 20
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "a launched server outlived the trainer"
