@@ -155,8 +155,9 @@ def doc_block(data: dict, summary: dict, figures_rel: str, estimate: dict | None
     if estimate is not None:
         lines += [f"Full run ({estimate['arms']} arms x {estimate['seeds']} seeds, {estimate['sft_steps']} warm-start + "
                   f"{estimate['rl_steps']} RL steps) estimated from the probe of {', '.join(estimate['probed_arms'])} "
-                  f"(`{ESTIMATE.relative_to(REPO)}`): {estimate['full_run_estimate_h']:.1f} h on this shared "
-                  "2-core machine, one run at a time.", ""]
+                  f"(`{ESTIMATE.relative_to(REPO)}`): between {estimate['lower_h']:.1f} h (RL steps alone) and "
+                  f"{estimate['upper_h']:.1f} h (warm start, start-up and evaluations scaled up from the probe) on "
+                  "this shared 2-core machine, one run at a time.", ""]
     lines += [
              "| arm | eval acc. start -> end | reward (last quarter) | clipped-token fraction | mean per-sequence "
              "clipped-token fraction | routing drift per expert (set rate) | log-prob gap | s / RL step |",
@@ -249,22 +250,23 @@ def report(results: Path, figures: Path, doc: Path, estimate: Path = ESTIMATE) -
 
 
 def estimate_full(probe: dict) -> dict:
-    """Wall time of the full run from a ``probe`` results file: per arm, the probe's time per RL step x the
-    full run's steps, plus its remaining time (start-up, the warm start, evaluations) scaled from 20 to the
-    full warm-start steps (an over-estimate: start-up does not grow), times the full run's seeds."""
+    """Bounds on the full run's wall time from a ``probe`` results file, per arm times the full run's seeds:
+    lower = the probe's time per RL step x the full run's RL steps (nothing else); upper = that plus the
+    probe's remaining time (start-up, 20 warm-start steps, two evaluations) scaled by full / probe
+    warm-start steps (an over-estimate: start-up and evaluations do not grow that much)."""
     import yaml
 
     config = yaml.safe_load(CONFIG.read_text())
     steps, sft = config["train"]["steps"], config["sft"]["steps"]
-    total = 0.0
+    lower = upper = 0.0
     for runs in probe["runs"].values():
         for r in runs.values():
             step_s = _mean(_values(r, "time_step_s"))
             rest = r["wall_s"] - sum(_values(r, "time_step_s"))
-            total += SCALES["full"]["seeds"] * (step_s * steps + rest * sft / 20)
-    probed = len(probe["runs"])
-    # arms not probed are assumed to cost the probed arms' mean (replay adds little; tested arms say so)
-    return {"full_run_estimate_h": total * len(ARMS) / probed / 3600, "probed_arms": list(probe["runs"]),
+            lower += SCALES["full"]["seeds"] * step_s * steps
+            upper += SCALES["full"]["seeds"] * (step_s * steps + rest * sft / 20)
+    scale = len(ARMS) / len(probe["runs"])  # arms not probed cost the probed arms' mean
+    return {"lower_h": lower * scale / 3600, "upper_h": upper * scale / 3600, "probed_arms": list(probe["runs"]),
             "arms": len(ARMS), "seeds": SCALES["full"]["seeds"], "rl_steps": steps, "sft_steps": sft}
 
 
