@@ -90,6 +90,14 @@ def test_training_checkpoint_names_its_model_config_without_template(run_dir):
 
     config, template = export_config(run_dir / "checkpoints" / "step_000002", None)
     assert config == load_config(DEMO).model.config and template is None
+    # and the whole conversion runs without --hf-template: an HF folder transformers loads
+    import transformers
+
+    out = run_dir.parent / "hf_from_training"
+    assert convert_cli.main(["megatron-to-hf", "--megatron-dir", str(run_dir / "checkpoints" / "step_000002"),
+                             "--out", str(out), "--no-progress"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_hidden_layers == config.num_layers and model.config.vocab_size == config.vocab_size
 
 
 def test_converted_checkpoint_evaluates_with_the_training_yaml(tmp_path):
