@@ -142,7 +142,7 @@ def test_usr1_to_the_batch_script_checkpoints_and_requeues(slurm_cluster: LocalS
     try:
         wait_until(lambda: all((results / f"ready{r}").exists() for r in range(2)), 120, "both ranks ready")
         slurm_cluster.run(["scancel", "--batch", "--signal=USR1", str(job_id)])
-        # A requeued batch job waits about 120 s (BeginTime) before it runs again: seeing it back in the
+        # A requeued batch job waits (BeginTime, 30 s here) before it runs again: seeing it back in the
         # queue with Restarts=1 is the proof, the rerun itself is not waited for.
         wait_until(lambda: slurm_cluster.job_info(job_id).get("Restarts") == "1", 60, f"job {job_id} requeued")
     finally:

@@ -44,7 +44,7 @@ def test_signalled_job_checkpoints_and_a_resubmitted_job_resumes(slurm_cluster: 
     checkpoints = run_dir / "checkpoints"
     wait_until(lambda: checkpoints.is_dir() and any((p / "gspo_meta.json").is_file() for p in checkpoints.iterdir()),
                300, "the preemption checkpoint")
-    # the batch script requeues itself after a clean preempted exit; Slurm holds it ~120 s: cancel it
+    # the batch script requeues itself after a clean preempted exit; Slurm holds it 30 s here: cancel it
     wait_until(lambda: slurm_cluster.job_info(job).get("Restarts") == "1", 120, "the job to be requeued")
     slurm_cluster.run(["scancel", str(job)])
     saved = sorted(p.name for p in checkpoints.iterdir() if (p / "gspo_meta.json").is_file())

@@ -63,7 +63,8 @@ gspo_requeue_if_preempted() {
         echo "job_lib: preempted, but the step exited $rc: not requeueing job $SLURM_JOB_ID" >&2
         return 0
     fi
-    # Slurm holds a requeued batch job for about 120 s (BeginTime) before it may start again.
+    # Slurm holds a requeued batch job for the credential lifetime (AuthInfo cred_expire, default 120 s)
+    # before it may start again.
     echo "job_lib: preempted; requeueing job $SLURM_JOB_ID (restart $((${SLURM_RESTART_COUNT:-0} + 1)))" >&2
     scontrol requeue "$SLURM_JOB_ID"
 }

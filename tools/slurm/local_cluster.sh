@@ -26,6 +26,7 @@
 #   GSPO_SLURM_SLURMD_PORT slurmd port; default 6818
 #   GSPO_SLURM_CPUS        CPUs each node offers; default max(nproc / nodes, 2), so 2-task jobs fit on any machine
 #   GSPO_SLURM_SUBNET      first three octets of the nodes' /24 (--nodes >= 2); default 10.213.<ctld port % 256>
+#   GSPO_SLURM_CRED_EXPIRE job credential lifetime in s, which is also how long a requeued job waits; default 30
 #
 # Exit codes: 0 ok; 1 failure (the daemon logs are printed); 3 Slurm is missing and cannot be installed
 # here (no apt-get or not root); 4 network namespaces cannot be made here (--nodes >= 2). Tests skip on
@@ -48,6 +49,7 @@ EXIT_NO_NAMESPACES=4
 NET_PREFIX="gspo$CTLD_PORT-node"   # namespace gspo6817-node1 ...
 BRIDGE="gs${CTLD_PORT}br"          # interface names have at most 15 characters
 SUBNET=${GSPO_SLURM_SUBNET:-10.213.$((CTLD_PORT % 256))}
+CRED_EXPIRE_S=${GSPO_SLURM_CRED_EXPIRE:-30}
 START_TIMEOUT_S=60
 STOP_TIMEOUT_S=15
 
@@ -159,13 +161,18 @@ SlurmUser=$user
 SlurmdUser=$user
 AuthType=auth/none
 CredType=cred/none
+# Credential lifetime, and so how long a requeued job is held (BeginTime) before it may start again: a
+# node refuses to launch a job whose previous run's credential it revoked until that has expired.
+# Default 120 s; 30 s still covers a step launch on a loaded machine.
+AuthInfo=cred_expire=$CRED_EXPIRE_S
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-# Without batch_sched_delay=0 a submitted job waits for the scheduler's next tick (about 3 s).
-SchedulerParameters=batch_sched_delay=0
+# Without batch_sched_delay=0 a submitted job waits for the scheduler's next tick (about 3 s); a job
+# whose BeginTime passes (a requeued one) waits for the next full pass, every sched_interval (default 60 s).
+SchedulerParameters=batch_sched_delay=0,sched_interval=5
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MailProg=/bin/true
