@@ -169,7 +169,7 @@ def main() -> None:
 
     from gspo_megatron.megatron import parallel
     from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
-    from gspo_megatron.testing.distributed import free_port
+    from gspo_megatron.megatron.spawn import free_port
 
     parallel.init_process_group(0, 1, master_port=free_port())
     initialize_model_parallel(ParallelConfig())

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_loss import PeakTensorBytes  # noqa: E402
 from gspo_megatron.megatron.logprobs import naive_logprobs, vocab_parallel_logprobs  # noqa: E402
-from gspo_megatron.testing.distributed import run_distributed  # noqa: E402
+from gspo_megatron.megatron.spawn import run_distributed  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "logprobs.json"
 GRAD_ROW_STRIDE = 16  # agreement of gradients is checked on every 16th token row (full copies cost GiBs)

@@ -149,7 +149,7 @@ def main() -> None:
     from rich.table import Table
 
     from gspo_megatron.megatron.model_config import ModelConfig
-    from gspo_megatron.testing.distributed import run_distributed
+    from gspo_megatron.megatron.spawn import run_distributed
 
     bucket_sizes = [int(mb * MB) for mb in args.bucket_mb]
     loadavg_at_start = list(os.getloadavg())

@@ -40,7 +40,7 @@ def _forward_backward(rank: int, world_size: int, expert_parallel: int) -> dict:
 def run() -> dict:
     from rich.console import Console
 
-    from gspo_megatron.testing.distributed import run_distributed
+    from gspo_megatron.megatron.spawn import run_distributed
 
     console = Console()
     start = time.time()

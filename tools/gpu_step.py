@@ -61,7 +61,7 @@ def train() -> None:
     from gspo_megatron.megatron.model import ModelRuntime
     from gspo_megatron.megatron.optimizer import OptimizerConfig
     from gspo_megatron.megatron.policy_model import PolicyModel
-    from gspo_megatron.testing.distributed import free_port
+    from gspo_megatron.megatron.spawn import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     parallel.init_process_group(0, 1, master_port=free_port())

@@ -108,7 +108,7 @@ def run_check(hf_dir: str | Path, megatron_dir: str | Path, tensor_parallel: int
     """Max |logit difference| at one layout, spawning ``tp * pp * ep`` processes when that is > 1."""
     from gspo_megatron.conversion.dcp_io import single_process_megatron
     from gspo_megatron.conversion.tables import validate_layout
-    from gspo_megatron.testing.distributed import run_distributed
+    from gspo_megatron.megatron.spawn import run_distributed
 
     config = model_config_for_check(Path(hf_dir), Path(megatron_dir))
     validate_layout(config, tensor_parallel, pipeline_parallel, expert_parallel)

@@ -97,7 +97,7 @@ def export_hf_tensors(model, model_config: ModelConfig, bucket_bytes: int,
     identical on every rank, covering every HF tensor of the model exactly once. Collective: call it on
     every rank of the job and consume the iterator to the end on all of them. ``dtype`` casts
     (default: the parameters' dtype). ``model`` may be wrapped (DDP); its canonical names are those of
-    ``megatron/sharding.py`` (TE-spec names are translated with ``tables.TE_SPEC_NAMES``)."""
+    ``megatron/sharding.py`` (TE-spec names are translated with ``megatron/te_names.py``)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     local = _local_tensors(model, model_config)

@@ -9,16 +9,15 @@ every other piece (offline conversion, live export, validation) works from that 
 consumed and produced exactly once only if the table says so.
 
 Canonical names are those of the *local* (non-Transformer-Engine) spec, which is what runs on CPU. On a
-GPU the TE spec names a few parameters differently; ``TE_SPEC_NAMES`` is that translation, as data.
+GPU the TE spec names a few parameters differently; ``megatron/te_names.py`` is that translation, as data.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
-from functools import lru_cache
 
 from gspo_megatron.conversion.errors import ConversionError
-from gspo_megatron.conversion.transforms import FusedGateUp, FusedQKV, Identity, Transform, global_expert, local_expert
+from gspo_megatron.conversion.transforms import FusedGateUp, FusedQKV, Identity, Transform
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.models import registry
 from gspo_megatron.models.weights import E, L, Rule
@@ -132,51 +131,3 @@ def validate_layout(config: ModelConfig, tensor_parallel: int = 1, pipeline_para
         if value % size:
             raise ConversionError(f"{source}: --{flag} {size} does not divide the model: {field}={value} "
                                   f"is not a multiple of {size}")
-
-
-# ---- Transformer Engine spec names ---------------------------------------------------------------
-
-# (TE-spec parameter name, local-spec canonical name). Layers are global on both sides (sharding.py
-# renumbers them); TE's grouped experts carry the *local* expert number, glued to the name.
-TE_SPEC_NAMES: tuple[tuple[str, str], ...] = (
-    (L + "self_attention.linear_qkv.layer_norm_weight", L + "input_layernorm.weight"),
-    (L + "mlp.linear_fc1.layer_norm_weight", L + "pre_mlp_layernorm.weight"),  # dense layers only
-    (L + "mlp.experts.linear_fc1.weight{local_expert}", E + "linear_fc1.weight"),
-    (L + "mlp.experts.linear_fc2.weight{local_expert}", E + "linear_fc2.weight"),
-)
-
-
-@lru_cache(maxsize=None)
-def _pattern(template: str) -> re.Pattern:
-    parts = re.split(r"\{(\w+)\}", template)
-    regex = "".join(re.escape(p) if i % 2 == 0 else f"(?P<{p}>\\d+)" for i, p in enumerate(parts))
-    return re.compile(f"^{regex}$")
-
-
-def te_to_canonical(name: str, ep_rank: int, num_local_experts: int) -> str:
-    """A TE-spec parameter name (global layer) -> the local-spec canonical name (global expert)."""
-    for te, canonical in TE_SPEC_NAMES:
-        match = _pattern(te).match(name)
-        if match:
-            fields = match.groupdict()
-            if "local_expert" in fields:
-                fields["expert"] = str(global_expert(int(fields.pop("local_expert")), ep_rank, num_local_experts))
-            return canonical.format(**fields)
-    return name
-
-
-def canonical_to_te(name: str, num_local_experts: int, dense: bool) -> tuple[int | None, str]:
-    """The local-spec canonical name -> (EP rank holding it or None, TE-spec name). ``dense`` says
-    whether the layer is dense (only then is pre_mlp_layernorm fused into linear_fc1 under TE)."""
-    for te, canonical in TE_SPEC_NAMES:
-        match = _pattern(canonical).match(name)
-        if not match:
-            continue
-        fields = match.groupdict()
-        if "expert" in fields:
-            ep_rank, local = local_expert(int(fields.pop("expert")), num_local_experts)
-            return ep_rank, te.format(local_expert=local, **fields)
-        if te.endswith("mlp.linear_fc1.layer_norm_weight") and not dense:
-            return None, name
-        return None, te.format(**fields)
-    return None, name

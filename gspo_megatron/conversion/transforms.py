@@ -122,12 +122,3 @@ Transform = Identity | FusedQKV | FusedGateUp
 
 # ---- renumbering ---------------------------------------------------------------------------------
 
-def global_expert(local: int, ep_rank: int, num_local_experts: int) -> int:
-    """Megatron gives EP rank r the contiguous experts [r * n_local, (r + 1) * n_local)."""
-    return ep_rank * num_local_experts + local
-
-
-def local_expert(global_index: int, num_local_experts: int) -> tuple[int, int]:
-    """(EP rank, local index) holding global expert ``global_index``."""
-    return divmod(global_index, num_local_experts)
-

@@ -13,7 +13,7 @@ layout algebra, written once:
 * Vocabulary: embedding and output rows are padded (``ModelConfig.padded_vocab_size``, zero rows on the
   last TP rank(s)); canonical tensors are not.
 * Spec: canonical names are the *local* spec's. A Transformer Engine model's few differing names
-  (``conversion.tables.TE_SPEC_NAMES``) are translated here, once, in ``shard_infos``.
+  (``megatron/te_names.py``) are translated here, once, in ``shard_infos``.
 
 Checkpoints are spec-neutral: the TE MoE layer reads and writes its pre-MLP norm under the local spec's
 key (``TE_MOE_KEYS_MAP``), and TE's ``_extra_state`` entries (FP8 scaling metadata, unused here) are
@@ -86,7 +86,7 @@ def _spec_canonical(local_name: str, gpt: torch.nn.Module) -> str:
     """``canonical_name``, then TE-spec names -> local-spec names (global expert numbers)."""
     from megatron.core import parallel_state as ps
 
-    from gspo_megatron.conversion.tables import te_to_canonical
+    from gspo_megatron.megatron.te_names import te_to_canonical
 
     config = gpt.config
     num_local = (config.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()

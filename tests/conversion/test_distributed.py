@@ -4,7 +4,7 @@ saved at one layout loads at another and converts back to the original HF tensor
 import pytest
 
 from gspo_megatron.conversion import dcp_io, offline
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 from tests.conversion.hf_models import family_config, make_hf_dir, read_all
 from tests.conversion.workers import EXPORT_BUCKET_BYTES, conversion_checks
 

@@ -1,6 +1,6 @@
 """On a GPU, with the Transformer Engine spec: a converted checkpoint loads and gives the transformers
 logits, and the live export of the TE-spec model returns the HF tensors (TE names translated by
-tables.TE_SPEC_NAMES). Skipped without CUDA; it has not run on this project's CPU machines."""
+megatron/te_names.py). Skipped without CUDA; it has not run on this project's CPU machines."""
 import pytest
 import torch
 

@@ -6,7 +6,8 @@ import torch
 
 from gspo_megatron.conversion.cli import parse_bytes
 from gspo_megatron.conversion.errors import ConversionError
-from gspo_megatron.conversion.tables import TE_SPEC_NAMES, canonical_to_te, expand, te_to_canonical, validate_layout
+from gspo_megatron.conversion.tables import expand, validate_layout
+from gspo_megatron.megatron.te_names import TE_SPEC_NAMES, canonical_to_te, te_to_canonical
 from gspo_megatron.conversion.transforms import FusedGateUp, FusedQKV, Identity
 from gspo_megatron.testing.models import canonical_shapes, tiny_moe_config
 from tests.conversion.hf_models import FAMILIES, family_config

@@ -14,7 +14,7 @@ from gspo_megatron.conversion import cli, dcp_io, offline
 from gspo_megatron.conversion.check import model_config_for_check, run_check
 from gspo_megatron.conversion.errors import ConversionError
 from gspo_megatron.megatron.model_config import ModelConfig
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 from gspo_megatron.testing.models import tiny_moe_config
 from gspo_megatron.typed_config import ConfigError
 from tests.conversion import hf_models

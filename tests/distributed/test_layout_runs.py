@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
 # tiny and quick: 8 prompts x 4 samples, 2 mini-batches, a short warm start so rewards are not all zero

@@ -3,7 +3,7 @@ single-process logits and gradients; checkpoints move between layouts."""
 import pytest
 import torch
 
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 from gspo_megatron.testing.models import tiny_moe_config
 from tests.distributed.workers import checkpoint_across_layouts, parallel_equivalence
 

@@ -5,7 +5,7 @@ initialisation, the control, differs between layouts."""
 import pytest
 import torch
 
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 from gspo_megatron.testing.models import tiny_moe_config
 
 SEED = 11

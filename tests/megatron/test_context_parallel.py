@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gspo_megatron.megatron import context_parallel as cp
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 from tests.megatron.routing_workers import context_parallel_checks
 
 ALGORITHMS = ["gspo", "gspo_token", "grpo"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 from gspo_megatron.testing.models import tiny_moe_config
 
 ATTENTION_HEADS = {"gqa": 2, "mha": 4, "mqa": 1}  # 4 query heads, this many key/value groups

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gspo_megatron.megatron import device
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 from gspo_megatron.testing.models import canonical_shapes, tiny_moe_config
 
 
@@ -133,7 +133,7 @@ def groups_worker(rank, world_size):
 
     from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
 
-    from gspo_megatron.testing.distributed import free_port
+    from gspo_megatron.megatron.spawn import free_port
 
     box = [free_port()]  # a fresh rendezvous for the second default group
     dist.broadcast_object_list(box, src=0)

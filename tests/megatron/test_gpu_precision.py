@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gspo_megatron.megatron.model import ModelRuntime, recompute_settings, resolve_layer_spec
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 from gspo_megatron.testing.models import canonical_weights, tiny_moe_config
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gspo_megatron.megatron.logprobs import naive_logprobs, vocab_parallel_logprobs
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 
 TOL = {"rtol": 1e-5, "atol": 2e-5}
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gspo_megatron.megatron.logprobs import naive_logprobs
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 from gspo_megatron.testing.models import tiny_moe_config
 from tests.megatron.train_workers import all_layouts, make_sequences, microbatch_splits
 

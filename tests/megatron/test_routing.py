@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gspo_megatron.megatron import routing
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 from gspo_megatron.testing.models import tiny_moe_config
 from tests.megatron.routing_workers import ROUTING_LAYOUTS, routing_checks
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 from gspo_megatron.testing.models import tiny_moe_config
 
 TEMPERATURES = (0.6, 1.3)

@@ -3,7 +3,7 @@
 refuses /generate while memory is released and updates outside begin/end_weight_update, like SGLang."""
 from pathlib import Path
 
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 
 from tests.rollout.sglang_standin import StandinServer, StandinState
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gspo_megatron.megatron.parallel import ParallelConfig
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 from gspo_megatron.testing.models import tiny_moe_config
 from tests.conversion.hf_models import family_config
 

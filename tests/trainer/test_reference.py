@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
 

@@ -13,7 +13,7 @@ import torch
 
 from gspo_megatron.rollout.sglang_config import SGLangConfig
 from gspo_megatron.rollout.sglang_protocol import sample_seed
-from gspo_megatron.testing.distributed import run_distributed
+from gspo_megatron.megatron.spawn import run_distributed
 from gspo_megatron.trainer.launch_env import LaunchEnv
 from gspo_megatron.trainer.rollout_setup import (ColocatedLayout, SGLangSetupError, attach_config, colocated_layout,
                                                  launching_rank, sglang_pushes)

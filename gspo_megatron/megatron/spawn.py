@@ -1,6 +1,6 @@
 """Run a function on N spawned processes joined in one gloo (CPU) / NCCL (GPU) process group.
 
-Used by the distributed tests and benchmarks: ``run_distributed(fn, 2, args)`` returns the per-rank return
+Used by `convert check`, `gspo-megatron smoke`, the distributed tests and benchmarks: ``run_distributed(fn, 2, args)`` returns the per-rank return
 values of ``fn(rank, world_size, *args)`` and, when any rank fails, raises with that rank's traceback.
 One spawn should serve many checks (spawning costs a torch import per process), so a worker usually
 returns a dict of named results that several tests then assert on.
