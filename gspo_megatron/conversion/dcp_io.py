@@ -119,8 +119,17 @@ def _meta_model(config: ModelConfig, vocab_rows: int):
     tc = dataclasses.replace(transformer_config(config, ParallelConfig()), perform_initialization=False,
                              use_cpu_initialization=True, moe_grouped_gemm=False)
     specs = {moe: get_gpt_layer_local_spec(num_experts=config.num_experts if moe else None, moe_grouped_gemm=False,
-                                           qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+                                           qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
+                                           multi_latent_attention=config.is_mla)
              for moe in (True, False)}
+    if config.is_mla:  # MLA hands its key/value widths to the core attention, which only SDPAttention takes
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from gspo_megatron.megatron.cpu_modules import SDPAttention, enable_local_mla
+        from gspo_megatron.megatron.model import _replace_in_spec
+
+        enable_local_mla()
+        specs = {moe: _replace_in_spec(spec, DotProductAttention, SDPAttention) for moe, spec in specs.items()}
     block = TransformerBlockSubmodules(layer_specs=[specs[config.is_moe_layer(i)] for i in range(config.num_layers)],
                                        layer_norm=WrappedTorchNorm)
     with torch.device("meta"):

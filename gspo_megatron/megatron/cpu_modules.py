@@ -54,7 +54,7 @@ def sdpa_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     into the query or the keys, as in Megatron. In partly masked rows Megatron's -10000 and SDPA's -inf
     give identical fp32 probabilities unless the unmasked scores are below about -9900.
     """
-    sq, b, np_, hn = query.shape
+    sq, b, np_, _ = query.shape
     sk, ng = key.shape[0], key.shape[2]
     if np_ % ng:
         raise ValueError(f"{_THIS}: {np_} query heads are not a multiple of {ng} key/value groups")
@@ -79,8 +79,8 @@ def sdpa_core_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             q = q.masked_fill(dead, 0.0)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal,
                                          scale=scale, enable_gqa=ng != np_)
-    # [b, np, sq, hn] -> [sq, b, np * hn]
-    return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+    # [b, np, sq, hv] -> [sq, b, np * hv] (hv: the values' head dim, hn's except under MLA)
+    return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * value.shape[-1])
 
 
 class SDPAttention(DotProductAttention):
@@ -100,7 +100,10 @@ class SDPAttention(DotProductAttention):
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None):
+                 cp_comm_type: Optional[str] = None, pg_collection=None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None):
+        # k_channels / v_channels: multi-latent attention's query-key and value head dims (they differ); SDPA
+        # reads both from the tensors, so they are accepted for MLASelfAttention's call and not stored
         if config.context_parallel_size != 1:
             raise ValueError(f"{_THIS}: SDPAttention (the CPU layer spec) does not support context "
                              f"parallelism; TransformerConfig.context_parallel_size={config.context_parallel_size} "
@@ -212,3 +215,21 @@ class FunctionalSequentialMLP(SequentialMLP):
         outputs = [expert_mlp(t, p, e.linear_fc1.weight, e.linear_fc2.weight, activation, gated)
                    for e, t, p in zip(experts, tokens, probs)]
         return torch.cat(outputs, dim=0), None
+
+
+class _AbsentTELinear:
+    """Stands for Transformer Engine's TELinear where TE is not installed: a class nothing is an instance of."""
+
+
+def enable_local_mla() -> None:
+    """Let Megatron-Core 0.16.1's ``MLASelfAttention`` be built without Transformer Engine.
+
+    Without TE, ``megatron.core.extensions.transformer_engine`` still imports, with mock stand-ins for its
+    classes, so ``multi_latent_attention`` sets ``HAVE_TE = True`` and its ``isinstance(self.linear_proj,
+    TELinear)`` raises TypeError (a mock is not a type). The stand-in is swapped for a real class no module
+    is an instance of, which is the truth on such a machine; a real TELinear is left alone.
+    """
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.TELinear = _AbsentTELinear

@@ -89,8 +89,6 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtyp
     ``runtime`` (when given) sets the parameter dtype, the recomputation and the spec-dependent fusions;
     without it: ``params_dtype``, no recomputation, the spec ``auto`` resolves to.
     """
-    from megatron.core.transformer import TransformerConfig
-
     on_gpu = torch.cuda.is_available()
     runtime = runtime or ModelRuntime(precision={v: k for k, v in PRECISIONS.items()}[params_dtype])
     params_dtype = runtime.params_dtype
@@ -119,7 +117,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtyp
             moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or None,
             moe_shared_expert_gate=model.moe_shared_expert_gate,
         )
-    return TransformerConfig(
+    config_class, mla = mla_settings(model)
+    return config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -153,7 +152,24 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtyp
         persist_layer_norm=False,
         **recompute_settings(runtime.recompute, grouped_gemm=te and model.is_moe),
         **moe,
+        **mla,
     )
+
+
+def mla_settings(model: ModelConfig) -> tuple[type, dict]:
+    """(TransformerConfig class, its extra fields) for ``model``: Megatron's ``MLATransformerConfig`` with
+    plain RoPE (rotary_base = rope_theta, no YaRN: mscale 1, so the softmax scale is 1/sqrt(head_dim) as in
+    transformers) for multi-latent attention, else the plain TransformerConfig."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    if not model.is_mla:
+        return TransformerConfig, {}
+    return MLATransformerConfig, dict(
+        multi_latent_attention=True, q_lora_rank=model.q_lora_rank or None, kv_lora_rank=model.kv_lora_rank,
+        qk_head_dim=model.head_dim - model.qk_rope_head_dim, qk_pos_emb_head_dim=model.qk_rope_head_dim,
+        v_head_dim=model.v_head_dim, rope_type="rope", rotary_base=model.rope_theta, rotary_percent=1.0,
+        rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
 
 
 def _replace_in_spec(spec, old: type, new: type):
@@ -195,8 +211,11 @@ def local_layer_spec(model: ModelConfig, fast_modules: bool = True, moe: bool | 
     moe = model.is_moe if moe is None else moe
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=model.num_experts if moe else None, moe_grouped_gemm=False,
-        qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
+        qk_layernorm=model.qk_layernorm, normalization="RMSNorm", multi_latent_attention=model.is_mla)
     spec = _replace_in_spec(spec, WrappedTorchNorm, cpu_runtime.local_norm_class())
+    if model.is_mla:  # Megatron's local DotProductAttention cannot take MLA's separate key/value widths
+        cpu_modules.enable_local_mla()
+        spec = _replace_in_spec(spec, DotProductAttention, cpu_modules.SDPAttention)
     if fast_modules:
         spec = _replace_in_spec(spec, DotProductAttention, cpu_modules.SDPAttention)
         spec = _replace_in_spec(spec, SequentialMLP, cpu_modules.FunctionalSequentialMLP)
@@ -232,6 +251,9 @@ def layer_spec(model: ModelConfig, config, fast_cpu_modules: bool = True, choice
     ``fast_cpu_modules=False`` builds the local spec with Megatron's own attention and experts (reference
     for tests and benchmarks)."""
     if resolve_layer_spec(choice) == "te":
+        if model.is_mla:
+            raise ValueError("model.layer_spec: multi-latent attention (kv_lora_rank > 0) runs on the local spec "
+                             "only (the TE MLA spec's fused norm names are not mapped yet); set layer_spec: local")
         if not model.first_dense_layers:
             return te_layer_spec(model)
         from megatron.core.extensions.transformer_engine import TENorm

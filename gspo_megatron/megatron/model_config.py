@@ -55,7 +55,15 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
-    qk_layernorm: bool = True
+    qk_layernorm: bool = True  # per-head q/k RMSNorm; with MLA: the q_lora and kv_lora latents' RMSNorms
+    # Multi-latent attention (DeepSeek-V3), on when kv_lora_rank > 0: queries through a q_lora_rank latent
+    # (0: one plain q projection), keys and values expanded from a kv_lora_rank latent; each head's query/key
+    # has head_dim dims, the last qk_rope_head_dim of them rotated (one rotated key shared by all heads),
+    # and v_head_dim value dims. num_key_value_heads equals num_attention_heads.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     init_method_std: float = 0.02
     # Megatron-LM's --make-vocab-size-divisible-by: the embedding/output rows are the vocabulary rounded
     # up to a multiple of this times TP (padded_vocab_size). Not part of config.json: a Megatron setting.
@@ -86,6 +94,12 @@ class ModelConfig:
             check(self.moe_router_score_function == "softmax" or self.moe_router_topk == 1 or self.norm_topk_prob,
                   f"{path}.norm_topk_prob", "must be true with the sigmoid router (Megatron renormalises its top-k)")
             check(self.moe_router_topk_scaling_factor > 0, f"{path}.moe_router_topk_scaling_factor", "must be > 0")
+        if self.is_mla:
+            self._validate_mla(path)
+        else:
+            for name in ("q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+                check(getattr(self, name) == 0, f"{path}.{name}", "must be 0 without multi-latent attention "
+                      f"(kv_lora_rank=0), got {getattr(self, name)}")
         rotary_dims = self.head_dim * self.rotary_percent
         check(0 < self.rotary_percent <= 1 and rotary_dims == int(rotary_dims) and int(rotary_dims) % 2 == 0,
               f"{path}.rotary_percent", f"head_dim={self.head_dim} x rotary_percent={self.rotary_percent} must be "
@@ -97,6 +111,27 @@ class ModelConfig:
         check(self.rope_theta > 0, f"{path}.rope_theta", "must be > 0")
         check(self.make_vocab_size_divisible_by >= 1, f"{path}.make_vocab_size_divisible_by",
               f"must be >= 1, got {self.make_vocab_size_divisible_by}")
+
+    def _validate_mla(self, path: str) -> None:
+        check(self.q_lora_rank >= 0, f"{path}.q_lora_rank", f"must be >= 0, got {self.q_lora_rank}")
+        check(self.v_head_dim >= 1, f"{path}.v_head_dim", f"must be >= 1, got {self.v_head_dim}")
+        check(2 <= self.qk_rope_head_dim < self.head_dim and self.qk_rope_head_dim % 2 == 0,
+              f"{path}.qk_rope_head_dim", f"must be even and in [2, head_dim={self.head_dim}), got "
+              f"{self.qk_rope_head_dim}")
+        check(self.num_key_value_heads == self.num_attention_heads, f"{path}.num_key_value_heads",
+              f"must equal num_attention_heads={self.num_attention_heads} with multi-latent attention")
+        for name, ok in (("rotary_percent", self.rotary_percent == 1.0), ("qkv_bias", not self.qkv_bias),
+                         ("rope_llama3_factor", self.rope_llama3_factor == 0.0)):
+            check(ok, f"{path}.{name}", f"unsupported with multi-latent attention, got {getattr(self, name)}")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def plain_q_proj(self) -> bool:
+        """MLA with one query projection (no q_lora latent)."""
+        return self.is_mla and self.q_lora_rank == 0
 
     @property
     def is_moe(self) -> bool:
@@ -124,9 +159,11 @@ class ModelConfig:
         """Parameter count (unpadded vocabulary), for memory arithmetic and progress reporting."""
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
+        if self.is_mla:
+            attn = self._mla_parameters()
         if self.qkv_bias:
             attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads)
-        if self.qk_layernorm:
+        if self.qk_layernorm and not self.is_mla:
             attn += 2 * d
         moe = self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
         moe += 3 * h * self.moe_shared_expert_intermediate_size + (h if self.moe_shared_expert_gate else 0)
@@ -134,6 +171,15 @@ class ModelConfig:
         mlps = sum(moe if self.is_moe_layer(layer) else dense for layer in range(self.num_layers))
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + 2 * h) + mlps + embed + h
+
+    def _mla_parameters(self) -> int:
+        """One MLA layer's attention parameters (latent norms included)."""
+        h, n, d, lq, lkv = (self.hidden_size, self.num_attention_heads, self.head_dim, self.q_lora_rank,
+                            self.kv_lora_rank)
+        queries = h * lq + lq + lq * n * d if lq else h * n * d
+        nope = d - self.qk_rope_head_dim
+        return (queries + h * (lkv + self.qk_rope_head_dim) + lkv + lkv * n * (nope + self.v_head_dim)
+                + n * self.v_head_dim * h)
 
     # ---- Hugging Face (the per-family mapping lives in gspo_megatron/models/) -------------------------
     def to_hf_dict(self) -> dict[str, Any]:

@@ -42,6 +42,7 @@ class EngineFacts:
     # flag of this name says (GLM-4.5's use_qk_norm)
     qk_norm: bool | str
     expert_names: ExpertCheckpointNames | None = None  # None for dense families
+    mla: bool = False  # multi-latent attention (DeepSeek-V3): the engine's own MLA path
 
 
 class HFReader:

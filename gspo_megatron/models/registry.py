@@ -1,7 +1,7 @@
 """Every model family, by HF ``model_type``. Adding a family: one module in this package, one line here."""
 from __future__ import annotations
 
-from gspo_megatron.models import glm4_moe, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from gspo_megatron.models import deepseek_v3, glm4_moe, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from gspo_megatron.models.base import Family
 from gspo_megatron.typed_config import ConfigError
 
@@ -13,6 +13,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     mixtral.FAMILY,
     qwen2_moe.FAMILY,
     glm4_moe.FAMILY,
+    deepseek_v3.FAMILY,
 )}
 
 # Families with a ModelConfig mapping and a weight table: converted, trained and exported.

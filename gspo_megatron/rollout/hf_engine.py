@@ -99,7 +99,9 @@ class _Arch:
     model_type: str
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # the keys' (and queries') head dim
+    value_dim: int  # the values' head dim (differs from head_dim under multi-latent attention)
+    mla: bool  # multi-latent attention (DeepSeek-V3): ``_mla_attention``
     vocab_size: int
     max_positions: int
     sliding_window: int | None
@@ -113,11 +115,16 @@ def _read_arch(model: transformers.PreTrainedModel) -> _Arch:
     layers = model.model.layers[: config.num_hidden_layers]
     attention = layers[0].self_attn
     moe_blocks = [layer.mlp for layer in layers if _is_moe_block(layer.mlp)]
+    mla = registry.FAMILIES[config.model_type].engine.mla
+    # MLA caches every head's expanded key and value (heads, not latents: simple and exact)
+    head_dim = attention.qk_head_dim if mla else attention.head_dim
     return _Arch(
         model_type=config.model_type,
         num_layers=config.num_hidden_layers,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=attention.head_dim,
+        num_kv_heads=config.num_attention_heads if mla else config.num_key_value_heads,
+        head_dim=head_dim,
+        value_dim=attention.v_head_dim if mla else head_dim,
+        mla=mla,
         vocab_size=config.vocab_size,
         max_positions=config.max_position_embeddings,
         sliding_window=_sliding_window(config),
@@ -258,8 +265,9 @@ class _KVCache:
     @classmethod
     def empty(cls, arch: _Arch, rows: int, capacity: int, dtype: torch.dtype, device: torch.device) -> "_KVCache":
         shape = (rows, arch.num_kv_heads, capacity, arch.head_dim)
+        value_shape = (*shape[:-1], arch.value_dim)
         keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
-        values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+        values = [torch.empty(value_shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
         return cls(keys, values, 0)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,6 +331,8 @@ def _attention(
     x: [B, q, hidden]; cos, sin: [B, 1, q, head_dim]; mask: [B, 1, q, kv] bool (True = attend) or None
     (no padding: causal within the new tokens, everything cached before). Returns [B, q, hidden].
     """
+    if arch.mla:
+        return _mla_attention(attn, x, cos, sin, cache, layer, mask)
     batch, q_len, _ = x.shape
     shape = (batch, q_len, -1, arch.head_dim)
     queries = attn.q_proj(x).view(shape)
@@ -345,6 +355,50 @@ def _attention(
         scale=attn.scaling,
         enable_gqa=True,
     )
+    return attn.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+
+
+def _rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on DeepSeek's interleaved pairs (x0, x1), (x2, x3), ...: the output holds the rotated even dims,
+    then the odd ones (transformers' ``rope_interleave``). cos, sin: [..., d] = cat(freqs, freqs)."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+
+
+def _mla_attention(
+    attn: nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: _KVCache,
+    layer: int,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Multi-latent attention (DeepSeek-V3) with the module's own projections and norms, caching each head's
+    expanded key [nope; rope] and value, so decoding is ordinary attention over the cache.
+
+    x: [B, q, hidden]; cos, sin: [B, 1, q, rope]; mask as ``_attention``. Returns [B, q, hidden].
+    """
+    batch, q_len, _ = x.shape
+    nope, rope = attn.qk_nope_head_dim, attn.qk_rope_head_dim
+    if attn.q_lora_rank is None:
+        queries = attn.q_proj(x)
+    else:
+        queries = attn.q_b_proj(_rms_norm(attn.q_a_layernorm, attn.q_a_proj(x)))
+    q_pass, q_rot = queries.view(batch, q_len, -1, nope + rope).transpose(1, 2).split([nope, rope], dim=-1)
+    latent, k_rot = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, rope], dim=-1)
+    kv = attn.kv_b_proj(_rms_norm(attn.kv_a_layernorm, latent)).view(batch, q_len, -1, nope + attn.v_head_dim)
+    k_pass, values = kv.transpose(1, 2).split([nope, attn.v_head_dim], dim=-1)
+    k_rot = k_rot.view(batch, 1, q_len, rope)  # one rotated key shared by every head
+    rotary = _rotary_interleaved if attn.config.rope_interleave else _rotary
+    q_rot, k_rot = rotary(q_rot, cos, sin), rotary(k_rot, cos, sin)
+    queries = torch.cat([q_pass, q_rot], dim=-1)
+    keys = torch.cat([k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)], dim=-1)
+    all_keys, all_values = cache.write(layer, keys, values)
+    out = F.scaled_dot_product_attention(queries, all_keys, all_values, attn_mask=mask,
+                                         is_causal=mask is None and q_len > 1, scale=attn.scaling)
     return attn.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
 
 

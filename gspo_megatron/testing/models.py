@@ -23,6 +23,18 @@ def tiny_moe_config(**overrides) -> ModelConfig:
     return config
 
 
+def _mla_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """Multi-latent attention parameters of layer prefix ``p`` (Megatron's MLASelfAttention)."""
+    h, n, d, a = config.hidden_size, config.num_attention_heads, config.head_dim, p + "self_attention."
+    nope, lq, lkv = d - config.qk_rope_head_dim, config.q_lora_rank, config.kv_lora_rank
+    shapes = {a + "linear_q_down_proj.weight": (lq, h), a + "q_layernorm.weight": (lq,),
+              a + "linear_q_up_proj.weight": (n * d, lq)} if lq else {a + "linear_q_proj.weight": (n * d, h)}
+    shapes.update({a + "linear_kv_down_proj.weight": (lkv + config.qk_rope_head_dim, h), a + "kv_layernorm.weight": (lkv,),
+                   a + "linear_kv_up_proj.weight": (n * (nope + config.v_head_dim), lkv),
+                   a + "linear_proj.weight": (h, n * config.v_head_dim)})
+    return shapes
+
+
 def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical Megatron parameter names and full shapes of ``config`` (TP=PP=EP=1)."""
     h, d = config.hidden_size, config.head_dim
@@ -31,14 +43,18 @@ def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for layer in range(config.num_layers):
         p = f"decoder.layers.{layer}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attention.linear_qkv.weight"] = (qkv_rows, h)
-        if config.qkv_bias:
-            shapes[p + "self_attention.linear_qkv.bias"] = (qkv_rows,)
-        if config.qk_layernorm:
-            shapes[p + "self_attention.q_layernorm.weight"] = (d,)
-            shapes[p + "self_attention.k_layernorm.weight"] = (d,)
-        shapes[p + "self_attention.linear_proj.weight"] = (h, config.num_attention_heads * d)
-        shapes[p + "pre_mlp_layernorm.weight"] = (h,)
+        if config.is_mla:
+            shapes.update(_mla_shapes(config, p))
+            shapes[p + "pre_mlp_layernorm.weight"] = (h,)
+        else:
+            shapes[p + "self_attention.linear_qkv.weight"] = (qkv_rows, h)
+            if config.qkv_bias:
+                shapes[p + "self_attention.linear_qkv.bias"] = (qkv_rows,)
+            if config.qk_layernorm:
+                shapes[p + "self_attention.q_layernorm.weight"] = (d,)
+                shapes[p + "self_attention.k_layernorm.weight"] = (d,)
+            shapes[p + "self_attention.linear_proj.weight"] = (h, config.num_attention_heads * d)
+            shapes[p + "pre_mlp_layernorm.weight"] = (h,)
         if config.is_moe_layer(layer):
             shapes[p + "mlp.router.weight"] = (config.num_experts, h)
             if config.moe_router_expert_bias:

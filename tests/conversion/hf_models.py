@@ -34,6 +34,21 @@ FAMILIES = {
                      moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=24, moe_router_score_function="sigmoid",
                      moe_router_expert_bias=True, moe_router_topk_scaling_factor=2.5, rotary_percent=0.5,
                      qkv_bias=True, qk_layernorm=True),
+    # multi-latent attention: q latent 24, kv latent 20, heads of 10 unrotated + 6 rotated query/key dims and
+    # 14 value dims; layer 0 dense, layers 1-3 MoE (6 experts top-2, sigmoid router with expert bias, scaling
+    # 2.5, two shared experts of 24)
+    "deepseek_v3": dict(architecture="deepseek_v3", num_layers=4, first_dense_layers=1, ffn_hidden_size=56,
+                        num_attention_heads=4, num_key_value_heads=4, head_dim=16, qk_rope_head_dim=6,
+                        q_lora_rank=24, kv_lora_rank=20, v_head_dim=14, num_experts=6, moe_router_topk=2,
+                        moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=48,
+                        moe_router_score_function="sigmoid", moe_router_expert_bias=True,
+                        moe_router_topk_scaling_factor=2.5, qk_layernorm=True),
+    # Moonlight's shape: one plain q projection (q_lora_rank null), no dense layer
+    "deepseek_v3_plain_q": dict(architecture="deepseek_v3", num_attention_heads=4, num_key_value_heads=4,
+                                head_dim=12, qk_rope_head_dim=4, kv_lora_rank=16, v_head_dim=8, num_experts=4,
+                                moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
+                                moe_router_score_function="sigmoid", moe_router_expert_bias=True,
+                                moe_router_topk_scaling_factor=1.5, qk_layernorm=True),
 }
 
 TOKENIZER_FILES = {"tokenizer.json": '{"version": "1.0", "model": {"type": "test"}}\n',

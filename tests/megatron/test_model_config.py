@@ -15,9 +15,12 @@ def hf_dict(family: str, **overrides) -> dict:
     return d
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3", "qwen2", "llama", "mixtral", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3", "qwen2", "llama", "mixtral", "qwen2_moe", "glm4_moe",
+                                        "deepseek_v3"])
 def test_round_trip_through_hf_config(model_type):
     extra = {"head_dim": 128} if model_type == "glm4_moe" else {}  # its default 4096 / 96 heads is not whole
+    if model_type == "deepseek_v3":  # its default group-limited routing (8 groups, 4 chosen) is refused
+        extra = {"n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
     cfg = ModelConfig.from_hf_dict(hf_dict(model_type, num_hidden_layers=3, vocab_size=1000, **extra))
     assert cfg.architecture == model_type and cfg.num_layers == 3 and cfg.vocab_size == 1000
     again = ModelConfig.from_hf_dict(cfg.to_hf_dict())
@@ -63,7 +66,40 @@ def test_glm4_moe_fields():
     assert cfg.num_parameters() / 1e9 == pytest.approx(106, abs=1.0)  # the model card: 106B total
 
 
+# Moonlight-16B-A3B's config.json (DeepSeek-V3-shaped: q_lora_rank null, plain RoPE, no group limit)
+MOONLIGHT = dict(vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+                 num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+                 n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1, q_lora_rank=None,
+                 kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=1, topk_group=1,
+                 routed_scaling_factor=2.446, norm_topk_prob=True, max_position_embeddings=8192,
+                 rope_parameters=None, rope_theta=50000.0, rope_scaling=None, tie_word_embeddings=False)
+
+
+def test_deepseek_v3_fields():
+    cfg = ModelConfig.from_hf_dict(hf_dict("deepseek_v3", **MOONLIGHT))
+    assert (cfg.num_experts, cfg.moe_router_topk, cfg.first_dense_layers, cfg.ffn_hidden_size) == (64, 6, 1, 11264)
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (0, 512, 192, 64, 128)
+    assert cfg.is_mla and cfg.plain_q_proj and cfg.num_key_value_heads == 16 and cfg.qk_layernorm
+    assert (cfg.moe_shared_expert_intermediate_size, cfg.moe_router_topk_scaling_factor, cfg.rope_theta) == \
+        (2816, 2.446, 50000.0)
+    assert cfg.moe_router_score_function == "sigmoid" and cfg.moe_router_expert_bias and cfg.norm_topk_prob
+    assert cfg.num_parameters() / 1e9 == pytest.approx(16.0, abs=0.5)  # the model card: 16B total
+    with_q_lora = ModelConfig.from_hf_dict(hf_dict("deepseek_v3", **{**MOONLIGHT, "q_lora_rank": 1536}))
+    assert with_q_lora.q_lora_rank == 1536 and not with_q_lora.plain_q_proj
+    # the q latent replaces one [hidden, heads * head_dim] projection by two and a norm
+    assert with_q_lora.num_parameters() - cfg.num_parameters() == 27 * (1536 * (2048 + 1 + 16 * 192) - 2048 * 16 * 192)
+
+
 @pytest.mark.parametrize("model_type, overrides, message", [
+    ("deepseek_v3", {**MOONLIGHT, "n_group": 8, "topk_group": 4}, "n_group: group-limited routing (n_group=8, topk_group=4)"),
+    ("deepseek_v3", {**MOONLIGHT, "rope_interleave": False}, "rope_interleave: must be true"),
+    ("deepseek_v3", {**MOONLIGHT, "attention_bias": True}, "attention_bias: unsupported value True for deepseek_v3"),
+    ("deepseek_v3", {**MOONLIGHT, "norm_topk_prob": False}, "norm_topk_prob: must be true"),
+    ("deepseek_v3", {**MOONLIGHT, "num_key_value_heads": 8}, "num_key_value_heads: must equal num_attention_heads=16"),
+    ("deepseek_v3", {**MOONLIGHT, "qk_rope_head_dim": 63}, "qk_rope_head_dim: must be even"),
+    ("deepseek_v3", {**MOONLIGHT, "rope_scaling": {"type": "yarn", "factor": 40.0}},
+     "rope_parameters.rope_type: unsupported RoPE type 'yarn' for deepseek_v3"),
+    ("deepseek_v3", {**MOONLIGHT, "kv_lora_rank": None}, "kv_lora_rank: required field is missing for deepseek_v3"),
     ("qwen2_moe", {"mlp_only_layers": [1]}, "mlp_only_layers: unsupported value [1] for qwen2_moe"),
     ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step: unsupported value 2"),
     ("qwen2_moe", {"qkv_bias": False}, "qkv_bias: unsupported value False"),

@@ -60,11 +60,19 @@ def tiny_config(family: str) -> transformers.PretrainedConfig:
             routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True, num_nextn_predict_layers=0,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         )
+    if family == "deepseek_v3":  # layer 0 dense; MLA with a q latent, interleaved rope dims; sigmoid router + bias
+        return transformers.DeepseekV3Config(
+            **{**COMMON, "num_key_value_heads": COMMON["num_attention_heads"]}, num_hidden_layers=3,
+            q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=14,
+            intermediate_size=40, moe_intermediate_size=16, n_routed_experts=6, num_experts_per_tok=2,
+            n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=1, topk_group=1,
+            num_nextn_predict_layers=0,
+        )
     raise ValueError(family)
 
 
-FAMILIES = ["qwen3_moe", "qwen3", "qwen2", "llama", "mixtral", "qwen2_moe", "glm4_moe"]
-MOE_FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"]
+FAMILIES = ["qwen3_moe", "qwen3", "qwen2", "llama", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3"]
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3"]
 PROMPTS = [[5, 17, 3], [40, 41, 42, 43, 44, 45, 46], [9]]
 
 

@@ -1,0 +1,105 @@
+"""DeepSeek-V3-style MoE (``DeepseekV3ForCausalLM``: DeepSeek-V3, Kimi-K2, Moonlight): multi-latent attention
+(MLA), ``first_k_dense_replace`` dense layers, then MoE layers with ``n_shared_experts`` shared experts and a
+sigmoid router whose ``e_score_correction_bias`` is added to the scores for choosing experts only; the top-k
+sigmoid scores are renormalised (``norm_topk_prob``) and scaled by ``routed_scaling_factor``.
+
+MLA per layer, with n heads: queries ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` ([n * (nope + rope)]), or one
+``q_proj`` when ``q_lora_rank`` is null; keys and values from a shared latent, ``kv_a_proj_with_mqa(x)`` =
+[kv_lora_rank latent; rope dims of one key shared by all heads], the latent normed (``kv_a_layernorm``) and
+expanded by ``kv_b_proj`` to per-head [nope key dims; v_head_dim value dims]. RoPE covers only the rope dims.
+
+Megatron-Core 0.16.1: ``MLATransformerConfig`` with the local spec's ``MLASelfAttention``
+(``multi_latent_attention=True``): ``linear_q_down_proj`` / ``linear_q_up_proj`` / ``linear_q_proj`` /
+``linear_kv_down_proj`` / ``linear_kv_up_proj`` hold the HF matrices row for row (identity transforms), the
+norms are its ``q_layernorm`` / ``kv_layernorm``. RoPE: HF's ``rope_interleave=True`` (DeepSeek's layout,
+rotary pairs (x0, x1), (x2, x3), ...) de-interleaves the rope dims before a half-rotation, and Megatron's
+MLA does the same (``_apply_rotary_pos_emb_bshd`` with ``multi_latent_attention``), so the weights copy as
+they are; ``rope_interleave=False`` is refused. The expert bias is a Megatron buffer, frozen during RL.
+
+Not mapped, each an error naming the field: group-limited routing that restricts anything (``topk_group <
+n_group``: Megatron sums the top ``topk / topk_group`` scores of a group to rank groups, transformers the
+top 2), YaRN RoPE scaling (DeepSeek-V3 / Kimi-K2 use it; Moonlight does not), attention biases. The
+multi-token-prediction layers (``num_nextn_predict_layers``) are left out by the conversion, as transformers
+does not run them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from gspo_megatron.models.base import EngineFacts, ExpertCheckpointNames, Family, HFReader
+from gspo_megatron.models.weights import (DENSE_MLP, EMBEDDING, EXPERT_BIAS, FINAL, H, L, Rule, routed_experts,
+                                          shared_expert)
+
+EXPERTS = ExpertCheckpointNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
+
+
+def read_hf(reader: HFReader) -> dict[str, Any]:
+    moe_ffn = int(reader.get("moe_intermediate_size"))
+    if not reader.get("norm_topk_prob", True):
+        raise reader.error("norm_topk_prob", "must be true: Megatron renormalises the sigmoid router's top-k")
+    if not reader.get("rope_interleave", True):
+        raise reader.error("rope_interleave", "must be true (DeepSeek's interleaved rope layout, which "
+                           "Megatron's multi-latent attention assumes)")
+    groups, chosen = int(reader.get("n_group", 1)), int(reader.get("topk_group", 1))
+    if chosen != groups:
+        raise reader.error("n_group", f"group-limited routing (n_group={groups}, topk_group={chosen}) is not "
+                           "supported: Megatron and transformers rank the groups differently; use topk_group == n_group")
+    heads = int(reader.get("num_attention_heads"))
+    if int(reader.get("num_key_value_heads", heads)) != heads:
+        raise reader.error("num_key_value_heads", f"must equal num_attention_heads={heads} (multi-latent "
+                           "attention has no key/value groups)")
+    rope, nope = int(reader.get("qk_rope_head_dim")), int(reader.get("qk_nope_head_dim"))
+    return dict(num_experts=int(reader.get("n_routed_experts")), moe_router_topk=int(reader.get("num_experts_per_tok")),
+                moe_ffn_hidden_size=moe_ffn, ffn_hidden_size=int(reader.get("intermediate_size")),
+                moe_shared_expert_intermediate_size=int(reader.get("n_shared_experts", 0)) * moe_ffn,
+                first_dense_layers=int(reader.get("first_k_dense_replace", 0)), norm_topk_prob=True,
+                moe_router_score_function="sigmoid", moe_router_expert_bias=True,
+                moe_router_topk_scaling_factor=float(reader.get("routed_scaling_factor", 1.0)),
+                num_key_value_heads=heads, head_dim=nope + rope, qk_rope_head_dim=rope,
+                q_lora_rank=int(reader.get("q_lora_rank", 0)), kv_lora_rank=int(reader.get("kv_lora_rank")),
+                v_head_dim=int(reader.get("v_head_dim")), qkv_bias=False, qk_layernorm=True)
+
+
+def write_hf(config) -> dict[str, Any]:
+    shared, width = config.moe_shared_expert_intermediate_size, config.moe_ffn_hidden_size
+    if shared % width:
+        raise ValueError(f"deepseek_v3: moe_shared_expert_intermediate_size={shared} is not a multiple of "
+                         f"moe_ffn_hidden_size={width} (config.json counts whole shared experts)")
+    return dict(n_routed_experts=config.num_experts, num_experts_per_tok=config.moe_router_topk,
+                moe_intermediate_size=width, intermediate_size=config.ffn_hidden_size, n_shared_experts=shared // width,
+                first_k_dense_replace=config.first_dense_layers, norm_topk_prob=True,
+                routed_scaling_factor=config.moe_router_topk_scaling_factor, n_group=1, topk_group=1,
+                q_lora_rank=config.q_lora_rank or None, kv_lora_rank=config.kv_lora_rank,
+                qk_rope_head_dim=config.qk_rope_head_dim, qk_nope_head_dim=config.head_dim - config.qk_rope_head_dim,
+                v_head_dim=config.v_head_dim, head_dim=config.qk_rope_head_dim, rope_interleave=True,
+                attention_bias=False, num_nextn_predict_layers=0)
+
+
+def _rows(field: str | None, *pairs: tuple[str, str]) -> tuple[Rule, ...]:
+    return tuple(Rule(L + "self_attention." + meg, (H + "self_attn." + hf,), when=field) for meg, hf in pairs)
+
+
+MLA = (
+    (Rule(L + "input_layernorm.weight", (H + "input_layernorm.weight",)),)
+    + _rows("q_lora_rank", ("linear_q_down_proj.weight", "q_a_proj.weight"),
+            ("q_layernorm.weight", "q_a_layernorm.weight"), ("linear_q_up_proj.weight", "q_b_proj.weight"))
+    + _rows("plain_q_proj", ("linear_q_proj.weight", "q_proj.weight"))
+    + _rows(None, ("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
+            ("kv_layernorm.weight", "kv_a_layernorm.weight"), ("linear_kv_up_proj.weight", "kv_b_proj.weight"),
+            ("linear_proj.weight", "o_proj.weight"))
+    + (Rule(L + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",)),)
+)
+
+FAMILY = Family(
+    model_type="deepseek_v3",
+    hf_class="DeepseekV3ForCausalLM",
+    engine=EngineFacts(qk_norm=False, expert_names=EXPERTS, mla=True),
+    weights=(EMBEDDING + MLA + DENSE_MLP + routed_experts(**vars(EXPERTS)) + EXPERT_BIAS
+             + tuple(Rule(r.megatron, r.hf, r.transform, r.untied_only, r.layers,
+                          when="moe_shared_expert_intermediate_size") for r in shared_expert("mlp.shared_experts"))
+             + FINAL),
+    read_hf=read_hf,
+    write_hf=write_hf,
+    must_be={"attention_bias": [False], "hidden_act": ["silu"]},
+    mtp_layers=True,
+)
