@@ -11,7 +11,10 @@ setup(
     install_requires=[
         # GPU users install their CUDA build of torch first; pip keeps it when it satisfies this pin's range.
         "torch>=2.6",
-        "megatron-core==0.16.1",
+        # The CPU runtime (gspo_megatron/megatron/cpu_runtime.py) knows the patches of each of these versions
+        # and refuses others. 0.17 and newer need Python 3.12, so 3.11 stays on 0.16.1.
+        "megatron-core==0.16.1; python_version < '3.12'",
+        "megatron-core>=0.16.1,<=0.19.2; python_version >= '3.12'",
         "transformers>=5.0,<6",
         "safetensors>=0.4",
         "psutil",
@@ -26,7 +29,7 @@ setup(
     ],
     extras_require={
         # apex is built from source (see docs/installation.md); it is not on PyPI.
-        "gpu": ["transformer-engine[pytorch]", "sglang"],
+        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.23,<0.6"],  # docs/rollout.md: protocol read in 0.5.23
         "dev": ["pytest", "pytest-timeout", "hypothesis"],
         "wandb": ["wandb"],
     },

@@ -1,18 +1,47 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install gspo-megatron with its test extras. Idempotent and quick when
-# everything is already there. torch is pinned first to the CPU wheel (2.13.0) unless CUDA torch is present.
+# Create a virtual environment (if missing) and install gspo-megatron with its test extras. Idempotent and
+# quick when everything is already there (a stamp file inside the venv, refreshed when setup.py changes).
+#
+#   bash tools/setup_env.sh            .venv on python3 (3.11): torch 2.13.0 CPU wheel, megatron-core 0.16.1
+#   bash tools/setup_env.sh py312      .venv312 on Python 3.12.1: the registry's torch (a CUDA build that
+#                                      runs on CPU, ~3 GB, cached in the venv), megatron-core 0.19.2
+#
+# Overrides: PYTHON (interpreter), GSPO_TORCH_VERSION, GSPO_MEGATRON_CORE (a version inside setup.py's range).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+leg=${1:-py311}
+case "$leg" in
+  py311)
+    venv=.venv
+    py=${PYTHON:-python3}
+    torch_spec="torch==${GSPO_TORCH_VERSION:-2.13.0}"
+    megatron_spec=${GSPO_MEGATRON_CORE:+megatron-core==$GSPO_MEGATRON_CORE}
+    ;;
+  py312)
+    venv=.venv312
+    py=${PYTHON:-python3.12}
+    export PYENV_VERSION=${PYENV_VERSION:-3.12.1}
+    torch_spec="torch${GSPO_TORCH_VERSION:+==$GSPO_TORCH_VERSION}"
+    # the newest end of the supported range is what this leg exists to test
+    megatron_spec="megatron-core==${GSPO_MEGATRON_CORE:-0.19.2}"
+    ;;
+  *)
+    echo "tools/setup_env.sh: unknown leg '$leg' (expected py311 or py312)" >&2
+    exit 2
+    ;;
+esac
+if [ ! -x "$venv/bin/python" ]; then
+  "$py" -m venv "$venv"
 fi
-stamp=.venv/.gspo-installed
+stamp=$venv/.gspo-installed
 if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-    .venv/bin/python -m pip install -q "torch==${GSPO_TORCH_VERSION:-2.13.0}"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+    "$venv/bin/python" -m pip install -q "$torch_spec"
   fi
-  .venv/bin/python -m pip install -q -e ".[dev]"
+  if [ -n "$megatron_spec" ]; then
+    "$venv/bin/python" -m pip install -q "$megatron_spec"
+  fi
+  "$venv/bin/python" -m pip install -q -e ".[dev]"
   touch "$stamp"
 fi

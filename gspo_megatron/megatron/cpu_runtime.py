@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 on a CPU-only PyTorch build, over gloo.
+"""Run megatron-core (0.16.1 or 0.19.2) on a CPU-only PyTorch build, over gloo.
 
 Megatron-Core assumes CUDA in a handful of places. On a machine without CUDA, ``activate()`` applies the
 smallest set of patches that lets the *real* parallel code (tensor, sequence, pipeline, expert and data
@@ -6,19 +6,19 @@ parallelism, DDP, the optimizer, dist_checkpointing) run on CPU tensors. Each pa
 and why the substitute is faithful. On a GPU ``activate()`` does nothing, and the Transformer Engine spec,
 the alltoall dispatcher and fused kernels are used instead (see ``megatron/model.py``).
 
-The patches were written against one megatron-core version; on any other version ``activate()`` refuses
-with a clear error rather than patching code it has not been checked against.
+``PATCHES_BY_VERSION`` lists, per megatron-core version the patches were checked against, which patches
+that version needs; on any other version ``activate()`` refuses with a clear error naming the supported
+versions rather than patching code it has not been checked against (docs/cpu-runtime.md).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
-
-SUPPORTED_MEGATRON_CORE = ("0.16.1",)
 
 # Modules that build tensors with a literal ``device="cuda"`` (or call ``.cuda()``) on the code paths we
 # use, with the reason each one is on the path.
@@ -137,15 +137,146 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def _check_version() -> str:
+def _patch_current_device() -> None:
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def _patch_synchronize() -> None:
+    torch.cuda.synchronize = lambda device=None: None
+
+
+def _patch_tensor_cuda() -> None:
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+
+def _patch_literal_cuda_factories() -> None:
+    proxy = _CpuTorch()
+    for module_name in _LITERAL_CUDA_MODULES:
+        module = importlib.import_module(module_name)
+        if module.__dict__.get("torch") is not torch:
+            raise RuntimeError(f"{module_name} no longer imports torch as a module global; recheck the CPU runtime")
+        module.torch = proxy
+
+
+def _patch_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mc_random
+
+    tracker_cls = type("CpuRNGStatesTracker", (CpuRNGStatesTracker, mc_random.CudaRNGStatesTracker), {})
+    mc_random.CudaRNGStatesTracker = tracker_cls
+    mc_random.initialize_rng_tracker(force_reset=True)
+
+
+def _patch_te_general_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if "te_general_gemm" not in moe_utils.__dict__:
+        moe_utils.te_general_gemm = None
+
+
+_CPU_TO_CUDA_TYPE = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _patch_tensor_type() -> None:
+    for module_name in ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.distrib_optimizer"):
+        importlib.import_module(module_name)
+    original_type = torch.Tensor.type
+
+    def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None:
+            name = original_type(self)
+            return _CPU_TO_CUDA_TYPE.get(name, name)
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = tensor_type
+
+
+def _patch_current_stream() -> None:
+    torch.cuda.current_stream = torch.cpu.current_stream
+
+
+def _patch_cuda_rng_state() -> None:
+    from megatron.core.tensor_parallel import random as mc_random
+
+    mc_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mc_random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One CPU substitute: what breaks without it (``why``) and the function that applies it."""
+
+    why: str
+    apply: Callable[[], None]
+
+
+PATCHES: dict[str, Patch] = {
+    "current_device": Patch(
+        "torch.cuda.current_device() is used as a device argument (RoPE inv_freq, p2p shape buffers, DDP grad "
+        "buffers); a CPU build raises 'Torch not compiled with CUDA enabled' (a CUDA build without a driver: "
+        "'Found no NVIDIA driver'). It returns the CPU device; nothing can depend on the original, which "
+        "always raises here.", _patch_current_device),
+    "synchronize": Patch(
+        "torch.cuda.synchronize() orders timing and communication; CPU work is already synchronous.",
+        _patch_synchronize),
+    "tensor_cuda": Patch(
+        "Tensor.cuda() moves optimizer state, checkpoint shards and tied embeddings 'to the GPU'; on CPU the "
+        "tensor already is where it must be, so it returns itself.", _patch_tensor_cuda),
+    "literal_cuda_factories": Patch(
+        "tensor factories with a literal device='cuda' in the modules of _LITERAL_CUDA_MODULES; those modules "
+        "see a torch whose factories map 'cuda' to the CPU (no other code pays for it).",
+        _patch_literal_cuda_factories),
+    "rng_tracker": Patch(
+        "the named RNG-state tracker stores CUDA generator states; CpuRNGStatesTracker forks the CPU "
+        "generator with the same semantics (a subclass, so isinstance checks hold).", _patch_rng_tracker),
+    "te_general_gemm": Patch(
+        "0.16.1's moe_utils refers to te_general_gemm, defined only when Transformer Engine imports "
+        "(NameError in router_gating_linear); its own code falls back to torch when the name is None. "
+        "0.19.2 defines it as None itself.", _patch_te_general_gemm),
+    "tensor_type": Patch(
+        "the optimizers pick fp32 params for main copies by param.type() == 'torch.cuda.FloatTensor'; CPU "
+        "floats report the CUDA names so the same branches are taken (the dtype is what decides).",
+        _patch_tensor_type),
+    "cuda_rng_state": Patch(
+        "activation recomputation (CheckpointFunction, _fork_rng) saves and restores the CUDA generator next to "
+        "the CPU one and the tracker's; a CPU build has no CUDA generator. An empty state is exact: on CPU the "
+        "CPU generator and the CPU tracker, which those functions save anyway, are all the randomness there "
+        "is.", _patch_cuda_rng_state),
+    "current_stream": Patch(
+        "0.19.2's _ParamAndGradBucketGroup.start_grad_sync (and finish_grad_sync with overlap) take "
+        "torch.cuda.current_stream() to wait on CUDA-graph events before reducing grads; the CPU stream "
+        "(torch.cpu.current_stream, whose waits are no-ops) is exact, since CPU work is synchronous and "
+        "no CUDA graph exists.", _patch_current_stream),
+}
+
+_COMMON = ("current_device", "synchronize", "tensor_cuda", "literal_cuda_factories", "rng_tracker", "tensor_type",
+           "cuda_rng_state")
+# Versions the patches were checked against (the test suite ran on each), and the patches each needs.
+PATCHES_BY_VERSION: dict[str, tuple[str, ...]] = {
+    "0.16.1": _COMMON + ("te_general_gemm",),
+    "0.19.2": _COMMON + ("current_stream",),
+}
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core release, without the ``+<git hash>`` that 0.19's package_info appends
+    when it finds itself inside a git work tree."""
     from megatron.core import package_info
 
-    version = package_info.__version__
-    if version not in SUPPORTED_MEGATRON_CORE:
+    return package_info.__version__.split("+")[0]
+
+
+def _check_version() -> str:
+    version = megatron_core_version()
+    if version not in PATCHES_BY_VERSION:
+        supported = ", ".join(PATCHES_BY_VERSION)
         raise RuntimeError(
-            f"gspo_megatron's CPU runtime was checked against megatron-core {SUPPORTED_MEGATRON_CORE}, "
-            f"found {version}. Install megatron-core==0.16.1 (pip install megatron-core==0.16.1) to run on CPU; "
-            "on a GPU machine the runtime is not needed."
+            f"gspo_megatron's CPU runtime was checked against megatron-core {supported}, found {version}. "
+            f"Install one of those (pip install megatron-core=={list(PATCHES_BY_VERSION)[-1]} on Python 3.12, "
+            "megatron-core==0.16.1 on 3.11) to run on CPU; on a GPU machine the runtime is not needed."
         )
     return version
 
@@ -155,72 +286,19 @@ def cuda_available() -> bool:
 
 
 def activate() -> bool:
-    """Apply the CPU patches once per process when CUDA is absent. Returns True if they are active."""
+    """Apply the CPU patches of the installed version once per process when CUDA is absent.
+
+    Returns True if they are active.
+    """
     if cuda_available():
         return False
     if _state["active"]:
         return True
-    _check_version()
-
-    # 1. torch.cuda.current_device() is used as a device argument (RoPE inv_freq, p2p shape buffers, DDP
-    #    grad buffers). A CPU build raises "Torch not compiled with CUDA enabled"; return the CPU device.
-    #    Nothing on a CPU build can depend on the original, since it always raises there.
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    # 2. torch.cuda.synchronize() is called for timing/ordering around communication; CPU work is
-    #    already synchronous.
-    torch.cuda.synchronize = lambda device=None: None
-    # 3. Tensor.cuda() moves optimizer state, checkpoint shards and tied embeddings "to the GPU"; on CPU
-    #    the tensor is already where it must be.
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-
-    # 4. Literal device="cuda" factory calls: see _LITERAL_CUDA_MODULES.
-    proxy = _CpuTorch()
-    for module_name in _LITERAL_CUDA_MODULES:
-        module = importlib.import_module(module_name)
-        if module.__dict__.get("torch") is not torch:
-            raise RuntimeError(f"{module_name} no longer imports torch as a module global; recheck the CPU runtime")
-        module.torch = proxy
-
-    # 5. RNG tracker: CUDA generator states -> CPU generator states.
-    from megatron.core.tensor_parallel import random as mc_random
-
-    tracker_cls = type("CpuRNGStatesTracker", (CpuRNGStatesTracker, mc_random.CudaRNGStatesTracker), {})
-    mc_random.CudaRNGStatesTracker = tracker_cls
-    mc_random.initialize_rng_tracker(force_reset=True)
-    # 5b. Activation recomputation (CheckpointFunction, _fork_rng) saves and restores the CUDA generator
-    #     next to the CPU one and the tracker's. An empty state is exact: on CPU the CPU generator and the
-    #     CPU tracker, which those functions save anyway, are all the randomness there is.
-    mc_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
-    mc_random._set_cuda_rng_state = lambda *args, **kwargs: None
-
-    # 6. moe_utils refers to te_general_gemm, which is only defined when Transformer Engine imports.
-    #    Its own code falls back to torch when the name is None.
-    from megatron.core.transformer.moe import moe_utils
-
-    if "te_general_gemm" not in moe_utils.__dict__:
-        moe_utils.te_general_gemm = None
-
-    # 7. The optimizers check param.type() == 'torch.cuda.FloatTensor' to find fp32 params to keep as
-    #    main params; CPU params report 'torch.FloatTensor'. Report the CUDA type names for CPU floats so
-    #    the same branches are taken (they only select which params get fp32 master copies).
-    _cpu_to_cuda_type = {
-        "torch.FloatTensor": "torch.cuda.FloatTensor",
-        "torch.HalfTensor": "torch.cuda.HalfTensor",
-        "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
-    }
-    for module_name in ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.distrib_optimizer"):
-        importlib.import_module(module_name)
-    original_type = torch.Tensor.type
-
-    def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
-        if dtype is None:
-            name = original_type(self)
-            return _cpu_to_cuda_type.get(name, name)
-        return original_type(self, dtype, non_blocking, **kwargs)
-
-    torch.Tensor.type = tensor_type
-
+    version = _check_version()
+    for name in PATCHES_BY_VERSION[version]:
+        PATCHES[name].apply()
     _state["active"] = True
+    _state["patches"] = PATCHES_BY_VERSION[version]
     return True
 
 

@@ -284,6 +284,7 @@ def context_parallel_checks(rank: int, world_size: int) -> dict:
 
     from gspo_megatron.algorithms.layout import Segments, count_normalisers
     from gspo_megatron.megatron import context_parallel as cp
+    from gspo_megatron.megatron.cpu_runtime import megatron_core_version
 
     initialize_model_parallel(ParallelConfig(context_parallel=2), seed=0)
     group = ps.get_context_parallel_group()
@@ -295,7 +296,9 @@ def context_parallel_checks(rank: int, world_size: int) -> dict:
     full = {"tokens": torch.arange(b * s).view(b, s), "labels": torch.arange(b * s).view(b, s) + 1000,
             "loss_mask": torch.rand(b, s) > 0.5, "position_ids": torch.arange(s).expand(b, s).contiguous(),
             "attention_mask": causal_mask(s).expand(b, 1, s, s).contiguous()}
-    theirs = get_batch_on_this_cp_rank({k: v.clone() for k, v in full.items()}, cp_group=group)
+    # megatron-core 0.19 added a required is_hybrid_cp; False is plain CP, 0.16.1's per-sequence zigzag
+    hybrid = {} if megatron_core_version() == "0.16.1" else {"is_hybrid_cp": False}
+    theirs = get_batch_on_this_cp_rank({k: v.clone() for k, v in full.items()}, cp_group=group, **hybrid)
     ours = {k: cp.split_for_cp(v, 2 if k == "attention_mask" else 1, cp_size, cp_rank) for k, v in full.items()}
     out["split_matches_megatron"] = {k: torch.equal(ours[k], theirs[k]) for k in full}
     out["gather_restores"] = torch.equal(cp.gather_from_cp(ours["tokens"], 1, group), full["tokens"])

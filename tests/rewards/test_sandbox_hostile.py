@@ -220,8 +220,13 @@ def test_user_namespace_mode_as_an_unprivileged_user(tmp_path):
     os.chmod(tmp_path, 0o755)
     request = launcher_request(cfg, str(workdir), {"solution.py": program}, [Run(["solution.py"], return_stdout=True)],
                                stop_on_failure=False)
+    # A real non-root trainer runs the launcher from its own checkout; this impersonation may not be able
+    # to read ours (a clone under /root), so the launcher's source is handed over on the command line.
+    with open(LAUNCHER) as f:
+        launcher_source = f.read()
     proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", system_python, "-I", "-S",
-                           LAUNCHER], input=json.dumps(request).encode(), capture_output=True, timeout=30)
+                           "-c", launcher_source], input=json.dumps(request).encode(), capture_output=True, timeout=30)
+    assert proc.returncode == 0 and proc.stdout, proc.stderr.decode(errors="replace")[-2000:]
     reply = json.loads(proc.stdout)
     if reply["isolation"]["namespaces"] is None:
         pytest.skip("unprivileged user namespaces are disabled here: " + "; ".join(reply["isolation"]["notes"]))
