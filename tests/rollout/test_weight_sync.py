@@ -37,6 +37,10 @@ CASES = [
     # e_score_correction_bias), shared expert, half-rotary heads; PP=2 splits dense and MoE layers unevenly
     SyncCase("glm4_moe_ep2", family_config("glm4_moe"), ParallelConfig(expert_parallel=2), DEFAULT_BUCKET_BYTES),
     SyncCase("glm4_moe_pp2", family_config("glm4_moe"), ParallelConfig(pipeline_parallel=2), DEFAULT_BUCKET_BYTES),
+    # DeepSeek-V3: multi-latent attention (q latent, interleaved rope dims), dense first layer, sigmoid router
+    # with expert bias, two shared experts; TP=2 splits the latent down-projections' rows
+    SyncCase("deepseek_v3_tp2", family_config("deepseek_v3"), ParallelConfig(tensor_parallel=2), DEFAULT_BUCKET_BYTES),
+    SyncCase("deepseek_v3_ep2", family_config("deepseek_v3"), ParallelConfig(expert_parallel=2), DEFAULT_BUCKET_BYTES),
 ]
 NAMES = [c.name for c in CASES]
 

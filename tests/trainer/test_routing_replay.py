@@ -20,6 +20,14 @@ GLM4_MOE = ("model.config.architecture=glm4_moe", "model.config.first_dense_laye
             "model.config.moe_router_score_function=sigmoid", "model.config.moe_router_expert_bias=true",
             "model.config.moe_router_topk_scaling_factor=2.5", "model.config.moe_shared_expert_intermediate_size=64",
             "model.config.rotary_percent=0.5", "model.config.qkv_bias=true", "model.config.qk_layernorm=true")
+# DeepSeek-V3 on the demo's shape: multi-latent attention (q latent 24, kv latent 20, 10 + 6 rotated query/key dims,
+# 12 value dims), layer 0 dense, a sigmoid router with a (frozen) expert bias and scaling 2.5, a shared expert
+DEEPSEEK_V3 = ("model.config.architecture=deepseek_v3", "model.config.num_key_value_heads=4",
+               "model.config.qk_rope_head_dim=6", "model.config.q_lora_rank=24", "model.config.kv_lora_rank=20",
+               "model.config.v_head_dim=12", "model.config.qk_layernorm=true", "model.config.first_dense_layers=1",
+               "model.config.ffn_hidden_size=96", "model.config.moe_router_score_function=sigmoid",
+               "model.config.moe_router_expert_bias=true", "model.config.moe_router_topk_scaling_factor=2.5",
+               "model.config.moe_shared_expert_intermediate_size=64")
 
 
 def replayed_step(rank, world_size, run_dir: str, mode: str, model: tuple[str, ...] = ()) -> dict:
@@ -76,14 +84,15 @@ def replayed_step(rank, world_size, run_dir: str, mode: str, model: tuple[str, .
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, ranks, model", [("r3", 2, ()), ("r2", 1, ()), ("r3", 2, QWEN2_MOE), ("r3", 2, GLM4_MOE)],
-                         ids=["r3", "r2", "r3-qwen2_moe", "r3-glm4_moe"])
+@pytest.mark.parametrize("mode, ranks, model", [("r3", 2, ()), ("r2", 1, ()), ("r3", 2, QWEN2_MOE), ("r3", 2, GLM4_MOE),
+                                                ("r3", 2, DEEPSEEK_V3)],
+                         ids=["r3", "r2", "r3-qwen2_moe", "r3-glm4_moe", "r3-deepseek_v3"])
 def test_update_forwards_replay_the_recorded_experts(tmp_path, mode, ranks, model):
     outs = run_distributed(replayed_step, ranks, (str(tmp_path), mode, model))
     # each DP rank generates its share of the prompts; the update shares are cut from the gathered batch
     engine = {tuple(r.flatten().tolist()) for out in outs for r in out["engine_rows"]}
     for out in outs:
-        assert out["expert_bias_frozen"] and out["expert_bias_layers"] == (1 if model == GLM4_MOE else 0)
+        assert out["expert_bias_frozen"] and out["expert_bias_layers"] == (1 if model in (GLM4_MOE, DEEPSEEK_V3) else 0)
         assert out["flags"] and all(out["flags"])
         assert out["mismatched"] == 0 and out["replayed"] == len(out["given"]) > 0
         # the first update moves the weights, so free routing differs for some later sequence: replay mattered
