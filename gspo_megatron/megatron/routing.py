@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gspo_megatron.megatron.device import HOST
+
 # Marks a layer (or position) with no recorded experts, e.g. a layer on another pipeline stage.
 NO_EXPERT = -1
 
@@ -204,7 +206,9 @@ class RoutingRecorder:
         for i in range(self.num_forwards):
             first = next(iter(self._per_forward.values()))[i]
             b, s, k = first.shape
-            stacked = torch.full((b, s, n_moe, k), NO_EXPERT, dtype=torch.long)
+            # on the host, like every record kept between forwards (megatron/device.py); the copies below
+            # bring the device records over
+            stacked = torch.full((b, s, n_moe, k), NO_EXPERT, dtype=torch.long, device=HOST)
             for layer, pieces in self._per_forward.items():
                 stacked[:, :, self._moe_index[layer]] = pieces[i]
             out.append(stacked)
