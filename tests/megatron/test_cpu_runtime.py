@@ -19,7 +19,32 @@ def test_refuses_unknown_megatron_version():
         cpu_runtime.activate()
     """)
     assert proc.returncode != 0
-    assert "checked against megatron-core ('0.16.1',), found 0.99.0" in proc.stderr
+    assert "checked against megatron-core 0.16.1, 0.19.2, found 0.99.0" in proc.stderr
+
+
+def test_version_suffix_from_git_is_ignored():
+    # 0.19's package_info appends "+<git hash>" when installed inside a git work tree (a venv in a clone)
+    proc = run_python("""
+        from megatron.core import package_info
+        from gspo_megatron.megatron import cpu_runtime
+        release = cpu_runtime.megatron_core_version()
+        package_info.__version__ = release + "+abc1234"
+        assert cpu_runtime.megatron_core_version() == release
+        print(release)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() in ("0.16.1", "0.19.2")
+
+
+def test_every_version_names_known_patches_and_each_says_why():
+    from gspo_megatron.megatron import cpu_runtime
+
+    assert set(cpu_runtime.PATCHES_BY_VERSION) == {"0.16.1", "0.19.2"}
+    for version, names in cpu_runtime.PATCHES_BY_VERSION.items():
+        assert names and set(names) <= set(cpu_runtime.PATCHES), version
+    used = {n for names in cpu_runtime.PATCHES_BY_VERSION.values() for n in names}
+    assert used == set(cpu_runtime.PATCHES)  # no patch that no version applies
+    assert all(len(p.why) > 40 for p in cpu_runtime.PATCHES.values())
 
 
 def test_inactive_when_cuda_is_available():
@@ -54,6 +79,10 @@ def test_patches_on_cpu():
         assert schedules.torch.Tensor is torch.Tensor
         from megatron.core.transformer.moe import moe_utils
         assert moe_utils.te_general_gemm is None
+        if "current_stream" in cpu_runtime.PATCHES_BY_VERSION[cpu_runtime.megatron_core_version()]:
+            stream = torch.cuda.current_stream()  # 0.19.2's start_grad_sync waits on it
+            stream.wait_stream(stream)
+            assert isinstance(stream, torch.cpu.Stream)
         from megatron.core.tensor_parallel import random
         tracker = random.get_cuda_rng_tracker()
         tracker.add("a", 123)
