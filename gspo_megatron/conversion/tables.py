@@ -112,6 +112,10 @@ def validate_layout(config: ModelConfig, tensor_parallel: int = 1, pipeline_para
         ("tp", tensor_parallel, "num_key_value_heads", config.num_key_value_heads),
         ("pp", pipeline_parallel, "num_layers", config.num_layers),
     ]
+    if config.is_mla:  # the latent down-projections are column-parallel
+        checks.append(("tp", tensor_parallel, "kv_down_proj_rows", config.kv_down_proj_rows))
+        if config.q_lora_rank:
+            checks.append(("tp", tensor_parallel, "q_lora_rank", config.q_lora_rank))
     if config.is_moe:
         checks += [("ep", expert_parallel, "num_experts", config.num_experts),
                    ("tp", tensor_parallel, "moe_ffn_hidden_size", config.moe_ffn_hidden_size)]

@@ -129,6 +129,11 @@ class ModelConfig:
         return self.kv_lora_rank > 0
 
     @property
+    def kv_down_proj_rows(self) -> int:
+        """Rows of MLA's key/value down-projection ([kv latent; shared rotated key]), split over TP."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
     def plain_q_proj(self) -> bool:
         """MLA with one query projection (no q_lora latent)."""
         return self.is_mla and self.q_lora_rank == 0

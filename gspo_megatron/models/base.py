@@ -187,3 +187,31 @@ def read_partial_rotary(reader: HFReader) -> float:
 def dense_fields(reader: HFReader) -> dict[str, Any]:
     """A dense SwiGLU MLP in every layer."""
     return dict(num_experts=0, ffn_hidden_size=int(reader.get("intermediate_size")))
+
+
+def sigmoid_moe_fields(reader: HFReader) -> dict[str, Any]:
+    """The DeepSeek-V3-style MoE of GLM-4.5 and DeepSeek-V3: ``first_k_dense_replace`` dense layers, then
+    MoE layers with a sigmoid router, its selection-only expert bias (frozen during RL), renormalised top-k
+    weights scaled by ``routed_scaling_factor``, and ``n_shared_experts`` shared experts."""
+    moe_ffn = int(reader.get("moe_intermediate_size"))
+    if not reader.get("norm_topk_prob", True):
+        raise reader.error("norm_topk_prob", "must be true: Megatron renormalises the sigmoid router's top-k")
+    return dict(num_experts=int(reader.get("n_routed_experts")), moe_router_topk=int(reader.get("num_experts_per_tok")),
+                moe_ffn_hidden_size=moe_ffn, ffn_hidden_size=int(reader.get("intermediate_size")),
+                moe_shared_expert_intermediate_size=int(reader.get("n_shared_experts", 0)) * moe_ffn,
+                first_dense_layers=int(reader.get("first_k_dense_replace", 0)), norm_topk_prob=True,
+                moe_router_score_function="sigmoid", moe_router_expert_bias=True,
+                moe_router_topk_scaling_factor=float(reader.get("routed_scaling_factor", 1.0)))
+
+
+def sigmoid_moe_hf(config, model_type: str) -> dict[str, Any]:
+    """config.json entries of ``sigmoid_moe_fields`` (no group-limited routing, no MTP layers)."""
+    shared, width = config.moe_shared_expert_intermediate_size, config.moe_ffn_hidden_size
+    if shared % width:
+        raise ValueError(f"{model_type}: moe_shared_expert_intermediate_size={shared} is not a multiple of "
+                         f"moe_ffn_hidden_size={width} (config.json counts whole shared experts)")
+    return dict(n_routed_experts=config.num_experts, num_experts_per_tok=config.moe_router_topk,
+                moe_intermediate_size=width, intermediate_size=config.ffn_hidden_size, n_shared_experts=shared // width,
+                first_k_dense_replace=config.first_dense_layers, norm_topk_prob=True,
+                routed_scaling_factor=config.moe_router_topk_scaling_factor, n_group=1, topk_group=1,
+                num_nextn_predict_layers=0)

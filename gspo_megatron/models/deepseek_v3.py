@@ -26,17 +26,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from gspo_megatron.models.base import EngineFacts, ExpertCheckpointNames, Family, HFReader
-from gspo_megatron.models.weights import (DENSE_MLP, EMBEDDING, EXPERT_BIAS, FINAL, H, L, Rule, routed_experts,
-                                          shared_expert)
+from gspo_megatron.models.base import (EngineFacts, ExpertCheckpointNames, Family, HFReader, sigmoid_moe_fields,
+                                       sigmoid_moe_hf)
+from gspo_megatron.models.weights import (DENSE_MLP, EMBEDDING, EXPERT_BIAS, FINAL, H, L, Rule, optional,
+                                          routed_experts, shared_expert)
 
 EXPERTS = ExpertCheckpointNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
 
 
 def read_hf(reader: HFReader) -> dict[str, Any]:
-    moe_ffn = int(reader.get("moe_intermediate_size"))
-    if not reader.get("norm_topk_prob", True):
-        raise reader.error("norm_topk_prob", "must be true: Megatron renormalises the sigmoid router's top-k")
     if not reader.get("rope_interleave", True):
         raise reader.error("rope_interleave", "must be true (DeepSeek's interleaved rope layout, which "
                            "Megatron's multi-latent attention assumes)")
@@ -49,30 +47,16 @@ def read_hf(reader: HFReader) -> dict[str, Any]:
         raise reader.error("num_key_value_heads", f"must equal num_attention_heads={heads} (multi-latent "
                            "attention has no key/value groups)")
     rope, nope = int(reader.get("qk_rope_head_dim")), int(reader.get("qk_nope_head_dim"))
-    return dict(num_experts=int(reader.get("n_routed_experts")), moe_router_topk=int(reader.get("num_experts_per_tok")),
-                moe_ffn_hidden_size=moe_ffn, ffn_hidden_size=int(reader.get("intermediate_size")),
-                moe_shared_expert_intermediate_size=int(reader.get("n_shared_experts", 0)) * moe_ffn,
-                first_dense_layers=int(reader.get("first_k_dense_replace", 0)), norm_topk_prob=True,
-                moe_router_score_function="sigmoid", moe_router_expert_bias=True,
-                moe_router_topk_scaling_factor=float(reader.get("routed_scaling_factor", 1.0)),
-                num_key_value_heads=heads, head_dim=nope + rope, qk_rope_head_dim=rope,
+    return dict(sigmoid_moe_fields(reader), num_key_value_heads=heads, head_dim=nope + rope, qk_rope_head_dim=rope,
                 q_lora_rank=int(reader.get("q_lora_rank", 0)), kv_lora_rank=int(reader.get("kv_lora_rank")),
                 v_head_dim=int(reader.get("v_head_dim")), qkv_bias=False, qk_layernorm=True)
 
 
 def write_hf(config) -> dict[str, Any]:
-    shared, width = config.moe_shared_expert_intermediate_size, config.moe_ffn_hidden_size
-    if shared % width:
-        raise ValueError(f"deepseek_v3: moe_shared_expert_intermediate_size={shared} is not a multiple of "
-                         f"moe_ffn_hidden_size={width} (config.json counts whole shared experts)")
-    return dict(n_routed_experts=config.num_experts, num_experts_per_tok=config.moe_router_topk,
-                moe_intermediate_size=width, intermediate_size=config.ffn_hidden_size, n_shared_experts=shared // width,
-                first_k_dense_replace=config.first_dense_layers, norm_topk_prob=True,
-                routed_scaling_factor=config.moe_router_topk_scaling_factor, n_group=1, topk_group=1,
-                q_lora_rank=config.q_lora_rank or None, kv_lora_rank=config.kv_lora_rank,
-                qk_rope_head_dim=config.qk_rope_head_dim, qk_nope_head_dim=config.head_dim - config.qk_rope_head_dim,
-                v_head_dim=config.v_head_dim, head_dim=config.qk_rope_head_dim, rope_interleave=True,
-                attention_bias=False, num_nextn_predict_layers=0)
+    return dict(sigmoid_moe_hf(config, "deepseek_v3"), q_lora_rank=config.q_lora_rank or None,
+                kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
+                qk_nope_head_dim=config.head_dim - config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+                head_dim=config.qk_rope_head_dim, rope_interleave=True, attention_bias=False)
 
 
 def _rows(field: str | None, *pairs: tuple[str, str]) -> tuple[Rule, ...]:
@@ -95,8 +79,7 @@ FAMILY = Family(
     hf_class="DeepseekV3ForCausalLM",
     engine=EngineFacts(qk_norm=False, expert_names=EXPERTS, mla=True),
     weights=(EMBEDDING + MLA + DENSE_MLP + routed_experts(**vars(EXPERTS)) + EXPERT_BIAS
-             + tuple(Rule(r.megatron, r.hf, r.transform, r.untied_only, r.layers,
-                          when="moe_shared_expert_intermediate_size") for r in shared_expert("mlp.shared_experts"))
+             + optional(shared_expert("mlp.shared_experts"), "moe_shared_expert_intermediate_size")
              + FINAL),
     read_hf=read_hf,
     write_hf=write_hf,

@@ -19,6 +19,11 @@ class Rule:
     when: str | None = None  # a ModelConfig field that must be true (non-zero) for the row to exist
 
 
+def optional(rows: tuple[Rule, ...], field: str) -> tuple[Rule, ...]:
+    """``rows`` present only when the ModelConfig field ``field`` is true (the table itself is static)."""
+    return tuple(dataclasses.replace(r, when=field) for r in rows)
+
+
 L = "decoder.layers.{layer}."
 H = "model.layers.{layer}."
 E = L + "mlp.experts.local_experts.{expert}."

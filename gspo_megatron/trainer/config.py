@@ -219,6 +219,8 @@ def check_layout(parallel: ParallelConfig, model: ModelConfig, where: str) -> No
     else:
         check(parallel.expert_parallel == 1, "parallel.expert_parallel",
               f"must be 1 for a dense model ({where} num_experts is 0), got {parallel.expert_parallel}")
+    if model.is_mla:  # MLA's latent down-projections are column-parallel too
+        splits += [("tensor_parallel", "kv_down_proj_rows")] + ([("tensor_parallel", "q_lora_rank")] if model.q_lora_rank else [])
     sep = "" if where.endswith(":") else "."
     for size_field, model_field in splits:
         size, value = getattr(parallel, size_field), getattr(model, model_field)

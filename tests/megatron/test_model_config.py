@@ -1,4 +1,5 @@
 """Model config from HF config.json: every family, and clear errors naming the field."""
+import dataclasses
 import json
 
 import pytest
@@ -90,6 +91,19 @@ def test_deepseek_v3_fields():
     assert with_q_lora.num_parameters() - cfg.num_parameters() == 27 * (1536 * (2048 + 1 + 16 * 192) - 2048 * 16 * 192)
 
 
+def test_moonlight_example_layout_divides_the_model():
+    from pathlib import Path
+
+    from gspo_megatron.trainer.config import check_layout, load_config
+
+    example = load_config(Path(__file__).resolve().parents[2] / "examples" / "moonlight_16b_a3b_gspo_multinode.yaml")
+    assert example.model.layer_spec == "local"  # the TE MLA spec is refused
+    cfg = ModelConfig.from_hf_dict(hf_dict("deepseek_v3", **MOONLIGHT))
+    check_layout(example.parallel, cfg, "moonlight")
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel: 3 does not divide moonlight.num_attention_heads"):
+        check_layout(dataclasses.replace(example.parallel, tensor_parallel=3), cfg, "moonlight")
+
+
 @pytest.mark.parametrize("model_type, overrides, message", [
     ("deepseek_v3", {**MOONLIGHT, "n_group": 8, "topk_group": 4}, "n_group: group-limited routing (n_group=8, topk_group=4)"),
     ("deepseek_v3", {**MOONLIGHT, "rope_interleave": False}, "rope_interleave: must be true"),
@@ -173,11 +187,17 @@ def test_model_families_sit_below_megatron_conversion_and_rollout():
                 assert not name.startswith("gspo_megatron") or name.startswith(allowed), f"{path.name}: {name}"
 
 
+_MLA = ["model.config.architecture=deepseek_v3", "model.config.num_key_value_heads=4", "model.config.qk_rope_head_dim=6",
+        "model.config.v_head_dim=12", "model.config.kv_lora_rank=20", "model.config.q_lora_rank=24"]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model.config.architecture=qwen2_moe", "model.config.moe_shared_expert_intermediate_size=47"],
      "2 does not divide model.config.moe_shared_expert_intermediate_size=47"),
     (["model.config.architecture=glm4_moe", "model.config.first_dense_layers=1", "model.config.ffn_hidden_size=47"],
      "2 does not divide model.config.ffn_hidden_size=47"),
+    ([*_MLA, "model.config.kv_lora_rank=19"], "2 does not divide model.config.kv_down_proj_rows=25"),
+    ([*_MLA, "model.config.q_lora_rank=25"], "2 does not divide model.config.q_lora_rank=25"),
 ])
 def test_trainer_layout_checks_the_shared_expert_and_dense_layer_widths(overrides, message):
     from pathlib import Path
