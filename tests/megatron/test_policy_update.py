@@ -94,7 +94,8 @@ def _plain_logprobs(rank, world_size, cfg):
     with torch.no_grad():
         for q in make_sequences(cfg):
             n = q.tokens.numel()
-            logits = model(q.tokens[None], torch.arange(n)[None], causal_mask(n))[0]
+            # the padded vocabulary rows (divisor x TP) take no probability mass
+            logits = model(q.tokens[None], torch.arange(n)[None], causal_mask(n))[0][..., :cfg.vocab_size]
             lp, h = naive_logprobs(logits[q.prompt_len - 1:n - 1], q.tokens[q.prompt_len:], with_entropy=True)
             out["logp"].append(lp)
             out["entropy"].append(h)
