@@ -248,10 +248,12 @@ def test_trainer_step_on_two_ranks_syncs_each_server_once_and_waits_for_it(tmp_p
     # which (rollout, rank) a request belongs to, from its per-sample seeds (seeded requests, G = 8 then 2)
     from gspo_megatron.trainer.loop import step_seed
 
+    # (one call seed per rollout, the same on every rank; samples seeded by their global prompt index: rank r
+    # holds prompts 2r and 2r + 1 of the 4)
     owner = {}
     for rank in range(2):
-        for phase, base, g in ((1, step_seed(0, 0, rank + 1), 8), (2, SECOND_ROLLOUT_SEED + rank, 2)):
-            owner.update({sample_seed(base, i, j): (phase, rank) for i in range(4) for j in range(g)})
+        for phase, base, g in ((1, step_seed(0, 0, 1), 8), (2, SECOND_ROLLOUT_SEED + rank, 2)):
+            owner.update({sample_seed(base, i, j): (phase, rank) for i in (2 * rank, 2 * rank + 1) for j in range(g)})
     seen = set()
     for url, log in logs.items():
         updates = [i for i, (p, _) in enumerate(log) if p == "/update_weights_from_disk"]
