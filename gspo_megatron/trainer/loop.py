@@ -15,6 +15,7 @@ the rank: each response has its own seed from (train.seed, step, global prompt i
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -219,7 +220,7 @@ class Trainer:
         mine = split_for_data_parallel(prompts, self.dp_size, self.dp_rank)
         first = split_for_data_parallel(range(len(prompts)), self.dp_size, self.dp_rank)[:1]
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=r.top_p,
-                                top_k=r.top_k, stop_token_ids=[self.tokenizer.eos_token_id], seed=seed,
+                                top_k=r.top_k, stop_token_ids=stop_token_ids(self.tokenizer, self.config.model.hf_dir), seed=seed,
                                 prompt_offset=first[0] if first else 0, return_routed_experts=routed_experts)
         return mine, params
 
@@ -586,6 +587,18 @@ class Trainer:
         self.preemption.uninstall()
         if self.run_lock is not None:
             self.run_lock.release()
+
+
+def stop_token_ids(tokenizer, hf_dir) -> list[int]:
+    """Where a response ends, the same in both engines: the tokenizer's EOS and every EOS id of the model's
+    generation config (SGLang stops at those too; chat models often list several, e.g. end-of-turn and
+    end-of-text)."""
+    ids = [tokenizer.eos_token_id]
+    config = Path(hf_dir) / "generation_config.json" if hf_dir is not None else None
+    if config is not None and config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+    return sorted({int(i) for i in ids if i is not None})
 
 
 def _training_sequences(batch, advantages: torch.Tensor, with_routing: bool) -> list[TrainSequence]:

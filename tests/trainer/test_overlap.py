@@ -143,3 +143,20 @@ def test_overlap_run_resumes_exactly_after_sigkill(tmp_path):
                     "logprob_gap_mean"):
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
+def test_responses_stop_at_every_eos_of_the_generation_config(tmp_path):
+    """SGLang stops at the model's generation-config EOS ids, so the transformers engine must stop there too."""
+    import json
+
+    from gspo_megatron.trainer.loop import stop_token_ids
+
+    class Tok:
+        eos_token_id = 7
+
+    assert stop_token_ids(Tok(), None) == [7]
+    assert stop_token_ids(Tok(), tmp_path) == [7]  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    assert stop_token_ids(Tok(), tmp_path) == [7, 151643, 151645]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert stop_token_ids(Tok(), tmp_path) == [7]
