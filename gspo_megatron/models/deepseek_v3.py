@@ -42,6 +42,8 @@ def read_hf(reader: HFReader) -> dict[str, Any]:
     if chosen != groups:
         raise reader.error("n_group", f"group-limited routing (n_group={groups}, topk_group={chosen}) is not "
                            "supported: Megatron and transformers rank the groups differently; use topk_group == n_group")
+    if int(reader.get("n_shared_experts", 1)) < 1:  # transformers would build a zero-width shared expert
+        raise reader.error("n_shared_experts", f"must be >= 1, got {reader.get('n_shared_experts')}")
     heads = int(reader.get("num_attention_heads"))
     if int(reader.get("num_key_value_heads", heads)) != heads:
         raise reader.error("num_key_value_heads", f"must equal num_attention_heads={heads} (multi-latent "
@@ -83,6 +85,8 @@ FAMILY = Family(
              + FINAL),
     read_hf=read_hf,
     write_hf=write_hf,
-    must_be={"attention_bias": [False], "hidden_act": ["silu"]},
+    # older config.json files (the hub's DeepSeek-V3, Moonlight) spell out the router; transformers ignores them
+    must_be={"attention_bias": [False], "hidden_act": ["silu"], "scoring_func": ["sigmoid"],
+             "topk_method": ["noaux_tc"], "moe_layer_freq": [1]},
     mtp_layers=True,
 )

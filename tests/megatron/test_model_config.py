@@ -78,6 +78,9 @@ MOONLIGHT = dict(vocab_size=163840, hidden_size=2048, intermediate_size=11264, m
 
 def test_deepseek_v3_fields():
     cfg = ModelConfig.from_hf_dict(hf_dict("deepseek_v3", **MOONLIGHT))
+    # the router fields Moonlight's config.json still carries are accepted at their DeepSeek-V3 values
+    assert ModelConfig.from_hf_dict(hf_dict("deepseek_v3", **MOONLIGHT, scoring_func="sigmoid", topk_method="noaux_tc",
+                                            moe_layer_freq=1)) == cfg
     assert (cfg.num_experts, cfg.moe_router_topk, cfg.first_dense_layers, cfg.ffn_hidden_size) == (64, 6, 1, 11264)
     assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (0, 512, 192, 64, 128)
     assert cfg.is_mla and cfg.plain_q_proj and cfg.num_key_value_heads == 16 and cfg.qk_layernorm
@@ -114,6 +117,8 @@ def test_moonlight_example_layout_divides_the_model():
     ("deepseek_v3", {**MOONLIGHT, "rope_scaling": {"type": "yarn", "factor": 40.0}},
      "rope_parameters.rope_type: unsupported RoPE type 'yarn' for deepseek_v3"),
     ("deepseek_v3", {**MOONLIGHT, "kv_lora_rank": None}, "kv_lora_rank: required field is missing for deepseek_v3"),
+    ("deepseek_v3", {**MOONLIGHT, "scoring_func": "softmax"}, "scoring_func: unsupported value 'softmax' for deepseek_v3"),
+    ("deepseek_v3", {**MOONLIGHT, "n_shared_experts": 0}, "n_shared_experts: must be >= 1, got 0"),
     ("qwen2_moe", {"mlp_only_layers": [1]}, "mlp_only_layers: unsupported value [1] for qwen2_moe"),
     ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step: unsupported value 2"),
     ("qwen2_moe", {"qkv_bias": False}, "qkv_bias: unsupported value False"),
@@ -208,3 +213,13 @@ def test_trainer_layout_checks_the_shared_expert_and_dense_layer_widths(override
     load_config(demo, ["parallel.tensor_parallel=2"])  # the demo itself divides
     with pytest.raises(ConfigError, match=r"^parallel\.tensor_parallel: " + message.replace(".", r"\.")):
         load_config(demo, ["parallel.tensor_parallel=2", *overrides])
+
+
+def test_multi_latent_attention_refuses_the_transformer_engine_spec(monkeypatch):
+    """The TE MLA spec fuses the latent norms into the up-projections under names the tables do not map."""
+    from gspo_megatron.megatron import model
+
+    monkeypatch.setattr(model, "resolve_layer_spec", lambda choice: "te")
+    cfg = ModelConfig.from_hf_dict(hf_dict("deepseek_v3", **MOONLIGHT))
+    with pytest.raises(ValueError, match="model.layer_spec: multi-latent attention .* set layer_spec: local"):
+        model.layer_spec(cfg, config=None, choice="te")
