@@ -47,6 +47,11 @@ class ModelConfig:
     # e_score_correction_bias). Megatron keeps it as a buffer; RL keeps it frozen (update rate 0).
     moe_router_expert_bias: bool = False
     moe_router_topk_scaling_factor: float = 1.0  # routed_scaling_factor: the top-k weights are multiplied by it
+    # Group-limited routing (DeepSeek-V3's n_group / topk_group): experts in moe_router_num_groups equal groups,
+    # only the moe_router_group_topk groups with the largest sums of their top (topk / group_topk) scores are
+    # eligible. group_topk == num_groups (the default 1 == 1) restricts nothing.
+    moe_router_num_groups: int = 1
+    moe_router_group_topk: int = 1
     rotary_percent: float = 1.0  # fraction of each head's dims that RoPE rotates (the first ones)
     moe_aux_loss_coeff: float = 0.0  # load-balancing loss; off by default for RL
     rms_norm_eps: float = 1e-6
@@ -94,6 +99,12 @@ class ModelConfig:
             check(self.moe_router_score_function == "softmax" or self.moe_router_topk == 1 or self.norm_topk_prob,
                   f"{path}.norm_topk_prob", "must be true with the sigmoid router (Megatron renormalises its top-k)")
             check(self.moe_router_topk_scaling_factor > 0, f"{path}.moe_router_topk_scaling_factor", "must be > 0")
+            groups, chosen = self.moe_router_num_groups, self.moe_router_group_topk
+            check(groups >= 1 and self.num_experts % groups == 0, f"{path}.moe_router_num_groups",
+                  f"must be >= 1 and divide num_experts={self.num_experts}, got {groups}")
+            check(1 <= chosen <= groups and (chosen == groups or self.moe_router_topk % chosen == 0),
+                  f"{path}.moe_router_group_topk", f"must be in [1, moe_router_num_groups={groups}] and divide "
+                  f"moe_router_topk={self.moe_router_topk}, got {chosen}")
         if self.is_mla:
             self._validate_mla(path)
         else:
@@ -127,6 +138,11 @@ class ModelConfig:
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def group_limited(self) -> bool:
+        """Whether group-limited routing excludes any group."""
+        return self.is_moe and self.moe_router_group_topk < self.moe_router_num_groups
 
     @property
     def kv_down_proj_rows(self) -> int:

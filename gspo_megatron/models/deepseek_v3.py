@@ -16,9 +16,12 @@ rotary pairs (x0, x1), (x2, x3), ...) de-interleaves the rope dims before a half
 MLA does the same (``_apply_rotary_pos_emb_bshd`` with ``multi_latent_attention``), so the weights copy as
 they are; ``rope_interleave=False`` is refused. The expert bias is a Megatron buffer, frozen during RL.
 
-Not mapped, each an error naming the field: group-limited routing that restricts anything (``topk_group <
-n_group``: Megatron sums the top ``topk / topk_group`` scores of a group to rank groups, transformers the
-top 2), YaRN RoPE scaling (DeepSeek-V3 / Kimi-K2 use it; Moonlight does not), attention biases. The
+Group-limited routing (``n_group`` / ``topk_group``): Megatron's ``moe_router_num_groups`` /
+``moe_router_group_topk``. Megatron ranks a group by the sum of its top ``topk / topk_group`` biased scores,
+transformers by its top 2, so a restricting ``topk_group < n_group`` is accepted only where
+``num_experts_per_tok == 2 * topk_group`` (DeepSeek-V3's 8 = 2 x 4), where both are the same.
+
+Not mapped, each an error naming the field: other group-limited routing, YaRN RoPE scaling (DeepSeek-V3 / Kimi-K2 use it; Moonlight does not), attention biases. The
 multi-token-prediction layers (``num_nextn_predict_layers``) are left out by the conversion, as transformers
 does not run them.
 """
@@ -39,9 +42,11 @@ def read_hf(reader: HFReader) -> dict[str, Any]:
         raise reader.error("rope_interleave", "must be true (DeepSeek's interleaved rope layout, which "
                            "Megatron's multi-latent attention assumes)")
     groups, chosen = int(reader.get("n_group", 1)), int(reader.get("topk_group", 1))
-    if chosen != groups:
-        raise reader.error("n_group", f"group-limited routing (n_group={groups}, topk_group={chosen}) is not "
-                           "supported: Megatron and transformers rank the groups differently; use topk_group == n_group")
+    top_k = int(reader.get("num_experts_per_tok"))
+    if chosen < groups and top_k != 2 * chosen:
+        raise reader.error("topk_group", f"group-limited routing with num_experts_per_tok={top_k} != 2 x topk_group="
+                           f"{chosen} is not supported: transformers ranks groups by the sum of their top 2 scores, "
+                           "Megatron by their top num_experts_per_tok / topk_group (equal only at 2)")
     if int(reader.get("n_shared_experts", 1)) < 1:  # transformers would build a zero-width shared expert
         raise reader.error("n_shared_experts", f"must be >= 1, got {reader.get('n_shared_experts')}")
     heads = int(reader.get("num_attention_heads"))
@@ -49,13 +54,15 @@ def read_hf(reader: HFReader) -> dict[str, Any]:
         raise reader.error("num_key_value_heads", f"must equal num_attention_heads={heads} (multi-latent "
                            "attention has no key/value groups)")
     rope, nope = int(reader.get("qk_rope_head_dim")), int(reader.get("qk_nope_head_dim"))
-    return dict(sigmoid_moe_fields(reader), num_key_value_heads=heads, head_dim=nope + rope, qk_rope_head_dim=rope,
+    return dict(sigmoid_moe_fields(reader), moe_router_num_groups=groups, moe_router_group_topk=chosen,
+                num_key_value_heads=heads, head_dim=nope + rope, qk_rope_head_dim=rope,
                 q_lora_rank=int(reader.get("q_lora_rank", 0)), kv_lora_rank=int(reader.get("kv_lora_rank")),
                 v_head_dim=int(reader.get("v_head_dim")), qkv_bias=False, qk_layernorm=True)
 
 
 def write_hf(config) -> dict[str, Any]:
-    return dict(sigmoid_moe_hf(config, "deepseek_v3"), q_lora_rank=config.q_lora_rank or None,
+    return dict(sigmoid_moe_hf(config, "deepseek_v3"), n_group=config.moe_router_num_groups,
+                topk_group=config.moe_router_group_topk, q_lora_rank=config.q_lora_rank or None,
                 kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
                 qk_nope_head_dim=config.head_dim - config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
                 head_dim=config.qk_rope_head_dim, rope_interleave=True, attention_bias=False)

@@ -43,6 +43,13 @@ FAMILIES = {
                         moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=48,
                         moe_router_score_function="sigmoid", moe_router_expert_bias=True,
                         moe_router_topk_scaling_factor=2.5, qk_layernorm=True),
+    # group-limited routing: 8 experts in 4 groups of 2, the best 2 groups eligible, top-4 (= 2 x topk_group, where
+    # Megatron's and transformers' group ranking agree)
+    "deepseek_v3_grouped": dict(architecture="deepseek_v3", num_attention_heads=4, num_key_value_heads=4,
+                                head_dim=12, qk_rope_head_dim=4, kv_lora_rank=16, v_head_dim=8, q_lora_rank=16,
+                                num_experts=8, moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
+                                moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
+                                moe_router_score_function="sigmoid", moe_router_expert_bias=True, qk_layernorm=True),
     # Moonlight's shape: one plain q projection (q_lora_rank null), no dense layer
     "deepseek_v3_plain_q": dict(architecture="deepseek_v3", num_attention_heads=4, num_key_value_heads=4,
                                 head_dim=12, qk_rope_head_dim=4, kv_lora_rank=16, v_head_dim=8, num_experts=4,

@@ -20,8 +20,8 @@ def hf_dict(family: str, **overrides) -> dict:
                                         "deepseek_v3"])
 def test_round_trip_through_hf_config(model_type):
     extra = {"head_dim": 128} if model_type == "glm4_moe" else {}  # its default 4096 / 96 heads is not whole
-    if model_type == "deepseek_v3":  # its default group-limited routing (8 groups, 4 chosen) is refused
-        extra = {"n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
+    if model_type == "deepseek_v3":  # its default 3 dense layers would leave no MoE layer
+        extra = {"first_k_dense_replace": 1}
     cfg = ModelConfig.from_hf_dict(hf_dict(model_type, num_hidden_layers=3, vocab_size=1000, **extra))
     assert cfg.architecture == model_type and cfg.num_layers == 3 and cfg.vocab_size == 1000
     again = ModelConfig.from_hf_dict(cfg.to_hf_dict())
@@ -88,6 +88,12 @@ def test_deepseek_v3_fields():
         (2816, 2.446, 50000.0)
     assert cfg.moe_router_score_function == "sigmoid" and cfg.moe_router_expert_bias and cfg.norm_topk_prob
     assert cfg.num_parameters() / 1e9 == pytest.approx(16.0, abs=0.5)  # the model card: 16B total
+    assert (cfg.moe_router_num_groups, cfg.moe_router_group_topk, cfg.group_limited) == (1, 1, False)
+    # DeepSeek-V3's routing: 256 experts in 8 groups, the best 4 eligible, top-8 (= 2 x 4: the rankings agree)
+    grouped = ModelConfig.from_hf_dict(hf_dict("deepseek_v3", **{**MOONLIGHT, "n_routed_experts": 256, "n_group": 8,
+                                                                 "topk_group": 4, "num_experts_per_tok": 8}))
+    assert (grouped.moe_router_num_groups, grouped.moe_router_group_topk, grouped.group_limited) == (8, 4, True)
+    assert ModelConfig.from_hf_dict(grouped.to_hf_dict()) == grouped
     with_q_lora = ModelConfig.from_hf_dict(hf_dict("deepseek_v3", **{**MOONLIGHT, "q_lora_rank": 1536}))
     assert with_q_lora.q_lora_rank == 1536 and not with_q_lora.plain_q_proj
     # the q latent replaces one [hidden, heads * head_dim] projection by two and a norm
@@ -108,7 +114,10 @@ def test_moonlight_example_layout_divides_the_model():
 
 
 @pytest.mark.parametrize("model_type, overrides, message", [
-    ("deepseek_v3", {**MOONLIGHT, "n_group": 8, "topk_group": 4}, "n_group: group-limited routing (n_group=8, topk_group=4)"),
+    ("deepseek_v3", {**MOONLIGHT, "n_group": 8, "topk_group": 4},
+     "topk_group: group-limited routing with num_experts_per_tok=6 != 2 x topk_group=4 is not supported"),
+    ("deepseek_v3", {**MOONLIGHT, "n_group": 5, "topk_group": 3, "num_experts_per_tok": 6},
+     "moe_router_num_groups: must be >= 1 and divide num_experts=64, got 5"),
     ("deepseek_v3", {**MOONLIGHT, "rope_interleave": False}, "rope_interleave: must be true"),
     ("deepseek_v3", {**MOONLIGHT, "attention_bias": True}, "attention_bias: unsupported value True for deepseek_v3"),
     ("deepseek_v3", {**MOONLIGHT, "norm_topk_prob": False}, "norm_topk_prob: must be true"),
