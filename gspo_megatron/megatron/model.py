@@ -159,9 +159,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtyp
 
 
 def mla_settings(model: ModelConfig) -> tuple[type, dict]:
-    """(TransformerConfig class, its extra fields) for ``model``: Megatron's ``MLATransformerConfig`` with
-    plain RoPE (rotary_base = rope_theta, no YaRN: mscale 1, so the softmax scale is 1/sqrt(head_dim) as in
-    transformers) for multi-latent attention, else the plain TransformerConfig."""
+    """(TransformerConfig class, its extra fields) for ``model``: Megatron's ``MLATransformerConfig`` for
+    multi-latent attention, else the plain TransformerConfig. RoPE: plain (mscale 1, softmax scale
+    1/sqrt(head_dim), as transformers) or YaRN with the model's factor and mscales."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -170,8 +170,17 @@ def mla_settings(model: ModelConfig) -> tuple[type, dict]:
     return MLATransformerConfig, dict(
         multi_latent_attention=True, q_lora_rank=model.q_lora_rank or None, kv_lora_rank=model.kv_lora_rank,
         qk_head_dim=model.head_dim - model.qk_rope_head_dim, qk_pos_emb_head_dim=model.qk_rope_head_dim,
-        v_head_dim=model.v_head_dim, rope_type="rope", rotary_base=model.rope_theta, rotary_percent=1.0,
-        rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+        v_head_dim=model.v_head_dim, rotary_base=model.rope_theta, rotary_percent=1.0, **yarn_settings(model))
+
+
+def yarn_settings(model: ModelConfig) -> dict:
+    """MLATransformerConfig's RoPE fields: YaRN when ``rope_yarn_factor`` > 0, else plain RoPE."""
+    if not model.rope_yarn_factor:
+        return dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    return dict(rope_type="yarn", rotary_scaling_factor=model.rope_yarn_factor,
+                original_max_position_embeddings=model.rope_yarn_original_max_position_embeddings,
+                beta_fast=model.rope_yarn_beta_fast, beta_slow=model.rope_yarn_beta_slow,
+                mscale=model.rope_yarn_mscale, mscale_all_dim=model.rope_yarn_mscale_all_dim)
 
 
 def _replace_in_spec(spec, old: type, new: type):

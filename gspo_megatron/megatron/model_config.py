@@ -69,6 +69,15 @@ class ModelConfig:
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # YaRN RoPE scaling of the rotated MLA dims (DeepSeek-V3, Kimi-K2), on when rope_yarn_factor > 0; the
+    # rotation frequencies, the cos/sin factor mscale / mscale_all_dim and the softmax scale as Megatron's
+    # YarnRotaryEmbedding / MLA (mscale_all_dim 0: no softmax correction)
+    rope_yarn_factor: float = 0.0
+    rope_yarn_original_max_position_embeddings: int = 4096
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float = 1.0
+    rope_yarn_mscale_all_dim: float = 0.0
     init_method_std: float = 0.02
     # Megatron-LM's --make-vocab-size-divisible-by: the embedding/output rows are the vocabulary rounded
     # up to a multiple of this times TP (padded_vocab_size). Not part of config.json: a Megatron setting.
@@ -108,7 +117,7 @@ class ModelConfig:
         if self.is_mla:
             self._validate_mla(path)
         else:
-            for name in ("q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            for name in ("q_lora_rank", "qk_rope_head_dim", "v_head_dim", "rope_yarn_factor"):
                 check(getattr(self, name) == 0, f"{path}.{name}", "must be 0 without multi-latent attention "
                       f"(kv_lora_rank=0), got {getattr(self, name)}")
         rotary_dims = self.head_dim * self.rotary_percent
@@ -131,6 +140,8 @@ class ModelConfig:
               f"{self.qk_rope_head_dim}")
         check(self.num_key_value_heads == self.num_attention_heads, f"{path}.num_key_value_heads",
               f"must equal num_attention_heads={self.num_attention_heads} with multi-latent attention")
+        check(self.rope_yarn_factor == 0 or self.rope_yarn_factor > 1, f"{path}.rope_yarn_factor",
+              f"must be 0 (no YaRN) or > 1, got {self.rope_yarn_factor}")
         for name, ok in (("rotary_percent", self.rotary_percent == 1.0), ("qkv_bias", not self.qkv_bias),
                          ("rope_llama3_factor", self.rope_llama3_factor == 0.0)):
             check(ok, f"{path}.{name}", f"unsupported with multi-latent attention, got {getattr(self, name)}")

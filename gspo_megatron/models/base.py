@@ -175,6 +175,8 @@ def read_rope(reader: HFReader, rope_types: tuple[str, ...]) -> tuple[float, flo
                 raise reader.error(f"rope_parameters.{key}", f"Llama 3 RoPE scaling is supported with "
                                    f"{key}={value} only, got {params.get(key)}")
         return theta, float(params["factor"])
+    if rope_type == "yarn" and "yarn" in rope_types:  # the family reads the YaRN parameters itself
+        return theta, 0.0
     raise reader.error("rope_parameters.rope_type", f"unsupported RoPE type {rope_type!r} for {reader.model_type}")
 
 

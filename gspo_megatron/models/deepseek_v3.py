@@ -21,7 +21,9 @@ Group-limited routing (``n_group`` / ``topk_group``): Megatron's ``moe_router_nu
 transformers by its top 2, so a restricting ``topk_group < n_group`` is accepted only where
 ``num_experts_per_tok == 2 * topk_group`` (DeepSeek-V3's 8 = 2 x 4), where both are the same.
 
-Not mapped, each an error naming the field: other group-limited routing, YaRN RoPE scaling (DeepSeek-V3 / Kimi-K2 use it; Moonlight does not), attention biases. The
+YaRN RoPE scaling (DeepSeek-V3, Kimi-K2): Megatron's ``YarnRotaryEmbedding`` (``read_yarn``).
+
+Not mapped, each an error naming the field: other group-limited routing, other RoPE types, attention biases. The
 multi-token-prediction layers (``num_nextn_predict_layers``) are left out by the conversion, as transformers
 does not run them.
 """
@@ -54,10 +56,51 @@ def read_hf(reader: HFReader) -> dict[str, Any]:
         raise reader.error("num_key_value_heads", f"must equal num_attention_heads={heads} (multi-latent "
                            "attention has no key/value groups)")
     rope, nope = int(reader.get("qk_rope_head_dim")), int(reader.get("qk_nope_head_dim"))
-    return dict(sigmoid_moe_fields(reader), moe_router_num_groups=groups, moe_router_group_topk=chosen,
+    return dict(sigmoid_moe_fields(reader), **read_yarn(reader), moe_router_num_groups=groups, moe_router_group_topk=chosen,
                 num_key_value_heads=heads, head_dim=nope + rope, qk_rope_head_dim=rope,
                 q_lora_rank=int(reader.get("q_lora_rank", 0)), kv_lora_rank=int(reader.get("kv_lora_rank")),
                 v_head_dim=int(reader.get("v_head_dim")), qkv_bias=False, qk_layernorm=True)
+
+
+def read_yarn(reader: HFReader) -> dict[str, Any]:
+    """ModelConfig's YaRN fields from ``rope_parameters`` (or the older ``rope_scaling``); none without YaRN.
+
+    transformers multiplies cos/sin by get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) only
+    when both are set, else by get_mscale(factor); Megatron always by the ratio, so an unset pair maps to
+    (1, 0), and mscale_all_dim without mscale (which the two would treat differently) is refused.
+    """
+    params = dict(reader.hf.get("rope_parameters") or {})
+    params.update(reader.hf.get("rope_scaling") or {})
+    if params.get("rope_type", params.get("type")) != "yarn":
+        return {}
+    key = "rope_parameters."
+    for field in ("factor", "original_max_position_embeddings"):
+        if params.get(field) is None:
+            raise reader.error(key + field, "required for YaRN RoPE scaling")
+    if not params.get("truncate", True):
+        raise reader.error(key + "truncate", "must be true (Megatron rounds YaRN's correction range to integers)")
+    if params.get("attention_factor") is not None:
+        raise reader.error(key + "attention_factor", "is not supported (Megatron derives it from mscale)")
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if all_dim and not mscale:
+        raise reader.error(key + "mscale", f"must be set when mscale_all_dim={all_dim} is")
+    return dict(rope_yarn_factor=float(params["factor"]),
+                rope_yarn_original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+                rope_yarn_beta_fast=float(params.get("beta_fast") or 32.0),
+                rope_yarn_beta_slow=float(params.get("beta_slow") or 1.0),
+                rope_yarn_mscale=float(mscale) if mscale and all_dim else 1.0,
+                rope_yarn_mscale_all_dim=float(all_dim or 0.0))
+
+
+def yarn_hf(config) -> dict[str, Any]:
+    """``rope_parameters`` of ``read_yarn``'s fields (plain RoPE: none, the common entry stands)."""
+    if not config.rope_yarn_factor:
+        return {}
+    return {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": config.rope_theta, "factor": config.rope_yarn_factor,
+        "original_max_position_embeddings": config.rope_yarn_original_max_position_embeddings,
+        "beta_fast": config.rope_yarn_beta_fast, "beta_slow": config.rope_yarn_beta_slow,
+        "mscale": config.rope_yarn_mscale, "mscale_all_dim": config.rope_yarn_mscale_all_dim}}
 
 
 def write_hf(config) -> dict[str, Any]:
@@ -65,7 +108,7 @@ def write_hf(config) -> dict[str, Any]:
                 topk_group=config.moe_router_group_topk, q_lora_rank=config.q_lora_rank or None,
                 kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
                 qk_nope_head_dim=config.head_dim - config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
-                head_dim=config.qk_rope_head_dim, rope_interleave=True, attention_bias=False)
+                head_dim=config.qk_rope_head_dim, rope_interleave=True, attention_bias=False, **yarn_hf(config))
 
 
 def _rows(field: str | None, *pairs: tuple[str, str]) -> tuple[Rule, ...]:
@@ -95,5 +138,6 @@ FAMILY = Family(
     # older config.json files (the hub's DeepSeek-V3, Moonlight) spell out the router; transformers ignores them
     must_be={"attention_bias": [False], "hidden_act": ["silu"], "scoring_func": ["sigmoid"],
              "topk_method": ["noaux_tc"], "moe_layer_freq": [1]},
+    rope_types=("default", "yarn"),
     mtp_layers=True,
 )

@@ -50,6 +50,14 @@ FAMILIES = {
                                 num_experts=8, moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
                                 moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
                                 moe_router_score_function="sigmoid", moe_router_expert_bias=True, qk_layernorm=True),
+    # YaRN RoPE as DeepSeek-V3 / Kimi-K2 (factor 8 over 32 original positions, mscale = mscale_all_dim = 1),
+    # rope_theta 500, so that scaled and unscaled frequencies differ within the test's 16 positions
+    "deepseek_v3_yarn": dict(architecture="deepseek_v3", num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                             qk_rope_head_dim=8, kv_lora_rank=16, v_head_dim=8, q_lora_rank=16, num_experts=4,
+                             moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
+                             moe_router_score_function="sigmoid", moe_router_expert_bias=True, qk_layernorm=True,
+                             rope_theta=500.0, rope_yarn_factor=8.0, rope_yarn_original_max_position_embeddings=32,
+                             rope_yarn_mscale=1.0, rope_yarn_mscale_all_dim=1.0),
     # Moonlight's shape: one plain q projection (q_lora_rank null), no dense layer
     "deepseek_v3_plain_q": dict(architecture="deepseek_v3", num_attention_heads=4, num_key_value_heads=4,
                                 head_dim=12, qk_rope_head_dim=4, kv_lora_rank=16, v_head_dim=8, num_experts=4,

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow
 ATOL = 1e-4  # fp32
 CASES = {"qwen3_moe": ["tp2", "pp2", "ep2"], "llama_tied": ["tp2", "pp2"], "qwen2_moe": ["tp2", "pp2", "ep2"],
          "glm4_moe": ["tp2", "pp2", "ep2"], "deepseek_v3": ["tp2", "pp2", "ep2"],
-         "deepseek_v3_plain_q": ["tp2", "ep2"], "deepseek_v3_grouped": ["ep2"]}
+         "deepseek_v3_plain_q": ["tp2", "ep2"], "deepseek_v3_grouped": ["ep2"],
+         "deepseek_v3_yarn": ["tp2"]}
 
 
 @pytest.fixture(scope="module")

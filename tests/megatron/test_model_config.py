@@ -76,6 +76,28 @@ MOONLIGHT = dict(vocab_size=163840, hidden_size=2048, intermediate_size=11264, m
                  rope_parameters=None, rope_theta=50000.0, rope_scaling=None, tie_word_embeddings=False)
 
 
+DEEPSEEK_V3_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                    "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def test_deepseek_v3_with_yarn_and_grouped_routing():
+    # DeepSeek-V3's config.json (its MTP layer is left out by the conversion)
+    v3 = dict(MOONLIGHT, vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+              num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+              n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3, q_lora_rank=1536, n_group=8,
+              topk_group=4, routed_scaling_factor=2.5, max_position_embeddings=163840, rope_theta=10000.0,
+              rope_scaling=DEEPSEEK_V3_YARN)
+    cfg = ModelConfig.from_hf_dict(hf_dict("deepseek_v3", **v3))
+    assert (cfg.rope_yarn_factor, cfg.rope_yarn_original_max_position_embeddings, cfg.rope_yarn_mscale,
+            cfg.rope_yarn_mscale_all_dim, cfg.rope_yarn_beta_fast, cfg.rope_yarn_beta_slow) == (40, 4096, 1, 1, 32, 1)
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    assert cfg.num_parameters() / 1e9 == pytest.approx(671, abs=3)  # the model card: 671B without the MTP module
+    # transformers ignores mscale unless mscale_all_dim is set too: Megatron gets 1
+    lone = ModelConfig.from_hf_dict(hf_dict("deepseek_v3", **{**v3, "rope_scaling": {**DEEPSEEK_V3_YARN, "mscale": 0.7,
+                                                                                       "mscale_all_dim": 0}}))
+    assert (lone.rope_yarn_mscale, lone.rope_yarn_mscale_all_dim) == (1.0, 0.0)
+
+
 def test_deepseek_v3_fields():
     cfg = ModelConfig.from_hf_dict(hf_dict("deepseek_v3", **MOONLIGHT))
     # the router fields Moonlight's config.json still carries are accepted at their DeepSeek-V3 values
@@ -124,7 +146,13 @@ def test_moonlight_example_layout_divides_the_model():
     ("deepseek_v3", {**MOONLIGHT, "num_key_value_heads": 8}, "num_key_value_heads: must equal num_attention_heads=16"),
     ("deepseek_v3", {**MOONLIGHT, "qk_rope_head_dim": 63}, "qk_rope_head_dim: must be even"),
     ("deepseek_v3", {**MOONLIGHT, "rope_scaling": {"type": "yarn", "factor": 40.0}},
-     "rope_parameters.rope_type: unsupported RoPE type 'yarn' for deepseek_v3"),
+     "rope_parameters.original_max_position_embeddings: required for YaRN"),
+    ("deepseek_v3", {**MOONLIGHT, "rope_scaling": {**DEEPSEEK_V3_YARN, "mscale": 0}},
+     "rope_parameters.mscale: must be set when mscale_all_dim=1.0 is"),
+    ("deepseek_v3", {**MOONLIGHT, "rope_scaling": {**DEEPSEEK_V3_YARN, "truncate": False}},
+     "rope_parameters.truncate: must be true"),
+    ("deepseek_v3", {**MOONLIGHT, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+     "rope_parameters.rope_type: unsupported RoPE type 'longrope' for deepseek_v3"),
     ("deepseek_v3", {**MOONLIGHT, "kv_lora_rank": None}, "kv_lora_rank: required field is missing for deepseek_v3"),
     ("deepseek_v3", {**MOONLIGHT, "scoring_func": "softmax"}, "scoring_func: unsupported value 'softmax' for deepseek_v3"),
     ("deepseek_v3", {**MOONLIGHT, "n_shared_experts": 0}, "n_shared_experts: must be >= 1, got 0"),

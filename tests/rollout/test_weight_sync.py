@@ -41,6 +41,9 @@ CASES = [
     # with expert bias, two shared experts; TP=2 splits the latent down-projections' rows
     SyncCase("deepseek_v3_tp2", family_config("deepseek_v3"), ParallelConfig(tensor_parallel=2), DEFAULT_BUCKET_BYTES),
     SyncCase("deepseek_v3_ep2", family_config("deepseek_v3"), ParallelConfig(expert_parallel=2), DEFAULT_BUCKET_BYTES),
+    # YaRN RoPE (the engine runs transformers' own YaRN cos/sin and softmax scale)
+    SyncCase("deepseek_v3_yarn_tp2", family_config("deepseek_v3_yarn"), ParallelConfig(tensor_parallel=2),
+             DEFAULT_BUCKET_BYTES),
 ]
 NAMES = [c.name for c in CASES]
 
