@@ -193,8 +193,10 @@ class FunctionalSequentialMLP(SequentialMLP):
     fused or TE activations, ...) use the parent's forward unchanged; ``self.functional_path`` says which.
     """
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
-        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None):
+        # megatron-core 0.19 passes its module path as name= (None when unnamed); 0.16.1 has no such argument
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection,
+                         **({} if name is None else {"name": name}))
         self.functional_path = not functional_path_blockers(self.config)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,

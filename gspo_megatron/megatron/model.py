@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from typing import Literal
 
@@ -192,11 +193,18 @@ def _replace_in_spec(spec, old: type, new: type):
             spec.module = new
         _replace_in_spec(spec.submodules, old, new)
         return spec
+    if isinstance(spec, functools.partial):  # megatron-core 0.19: partial(MoELayer, submodules=MoESubmodules(...))
+        for value in spec.keywords.values():
+            _replace_in_spec(value, old, new)
+        return spec
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         for field in dataclasses.fields(spec):
             value = getattr(spec, field.name)
             if value is old:
                 setattr(spec, field.name, new)
+            elif isinstance(value, functools.partial) and value.func is old:  # 0.19: partial(SequentialMLP, ...)
+                setattr(spec, field.name, _replace_in_spec(functools.partial(new, *value.args, **value.keywords),
+                                                           old, new))
             else:
                 _replace_in_spec(value, old, new)
     return spec
