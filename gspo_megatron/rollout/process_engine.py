@@ -129,22 +129,33 @@ class ProcessRolloutEngine(RolloutEngine):
 
     def _receive(self):
         try:
-            kind, request_id, payload = pickle.loads(self._conn.recv_bytes())
+            return pickle.loads(self._conn.recv_bytes())
         except (EOFError, ConnectionResetError, OSError) as err:
             self._process.join(timeout=5)
             raise EngineProcessError(f"engine process died ({self._exit_status()})") from err
-        if kind == "error":
-            raise EngineProcessError(f"engine process failed request {request_id}:\n{payload}")
-        return kind, request_id, payload
 
     def _wait(self, request_id: int):
+        """The answer to ``request_id`` (answers arrive in request order; earlier ones are kept for their
+        own waiter). A failed request raises here, for its own waiter only."""
         while request_id not in self._done:
-            _, rid, payload = self._receive()
+            kind, rid, payload = self._receive()
             if rid in self._cancelled:
                 self._cancelled.discard(rid)
+            elif kind == "error":
+                self._done[rid] = EngineProcessError(f"engine process failed request {rid}:\n{payload}")
             else:
                 self._done[rid] = payload
-        return self._done.pop(request_id)
+        answer = self._done.pop(request_id)
+        if isinstance(answer, EngineProcessError):
+            raise answer
+        return answer
+
+    def _settle_updates(self, before: int | None = None) -> None:
+        """Take the answers of the weight updates sent before request ``before`` (all when None): the
+        version they reached, or the error of one that failed."""
+        for update in [u for u in self._pending_updates if before is None or u < before]:
+            self._pending_updates.remove(update)
+            self.weight_version = self._wait(update)
 
     # ---- RolloutEngine ---------------------------------------------------------------------------
     def submit(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, params: SamplingParams) -> int:
@@ -152,12 +163,10 @@ class ProcessRolloutEngine(RolloutEngine):
         return self._send("generate", ([list(p) for p in prompts], samples_per_prompt, params))
 
     def result(self, request_id: int) -> GenerationResult:
-        """Wait for the generation ``request_id`` (and every weight update sent before it)."""
-        result = self._wait(request_id)
-        for update in [u for u in self._pending_updates if u < request_id]:
-            self.weight_version = self._wait(update)
-            self._pending_updates.remove(update)
-        return result
+        """Wait for the generation ``request_id``; a weight update sent before it that failed raises first
+        (the generation would have run on partly updated weights)."""
+        self._settle_updates(before=request_id)
+        return self._wait(request_id)
 
     def cancel(self, request_id: int) -> None:
         """Drop the result of a submitted generation (the child still runs it: requests are never reordered)."""
@@ -174,9 +183,7 @@ class ProcessRolloutEngine(RolloutEngine):
 
     def flush_updates(self) -> int:
         """Wait until every weight update sent so far is applied; returns the engine's weight version."""
-        for update in list(self._pending_updates):
-            self.weight_version = self._wait(update)
-            self._pending_updates.remove(update)
+        self._settle_updates()
         return self.weight_version
 
     def healthy(self) -> bool:

@@ -64,6 +64,7 @@ def _tiny_engine_spec():
     return EngineSpec(load_config(DEMO).model.config.to_hf_config(), init_seed=3)
 
 
+@pytest.mark.timeout(240)  # a lost answer would block forever: fail fast instead
 def test_engine_process_applies_updates_and_generations_in_order():
     """A generation submitted before a weight update runs on the old weights, one after it on the new ones;
     the results equal an in-process engine holding the same weights."""
@@ -95,6 +96,7 @@ def test_engine_process_applies_updates_and_generations_in_order():
         with pytest.raises(EngineProcessError, match="unknown tensor 'model.no_such.weight'"):
             engine.result(engine.submit(prompts, 1, params))
         assert len(engine.generate(prompts, 2, params)) == 4
+        assert engine.flush_updates() == 2
     finally:
         engine.shutdown()
     assert not engine.healthy()
