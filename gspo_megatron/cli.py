@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import warnings
+from pathlib import Path
 
 from gspo_megatron import processes  # noqa: F401 - first: records the parent pid (processes.STARTED_BY)
 from gspo_megatron.reporting import DEBUG_ENV, run_reporting_errors
@@ -20,6 +21,16 @@ def _quiet_known_warnings() -> None:
     Engine); on CPU that is expected and drowns the training output. Other warnings stay visible."""
     warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine).*not installed.*")
     warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
+
+
+def fresh_run_dir(base: Path) -> Path:
+    """``base``, or ``base-2``, ``base-3``, ... when earlier runs hold the previous ones: the demo may be run
+    again and again, while a fresh ``train`` never reuses a run's folder (docs/failures.md)."""
+    candidate, n = base, 1
+    while candidate.exists() and any(candidate.iterdir()):
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             args.config = args.config or str(REPO_EXAMPLES / "cpu_demo.yaml")
             argv = ["train", "--config", args.config, *argv[1:]]
+            if args.run_dir is None and not args.resume:
+                args.run_dir = str(fresh_run_dir(Path("runs") / Path(args.config).stem))
+                argv += ["--run-dir", args.run_dir]
+                print(f"gspo-megatron demo: run folder {args.run_dir}", flush=True)
         return run_reporting_errors(args.command, lambda: run_training(args, argv))
     if args.command == "eval":
         from gspo_megatron.trainer import evaluate

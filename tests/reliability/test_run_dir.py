@@ -42,3 +42,17 @@ def test_lock_of_another_host_is_not_taken_over(tmp_path):
     (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "some-other-node"}))
     with pytest.raises(RunDirError, match=r"pid 1 on some-other-node.*if that process is gone, delete"):
         RunDirLock(tmp_path).acquire()
+
+
+def test_the_demo_takes_the_next_free_numbered_folder(tmp_path):
+    from gspo_megatron.cli import fresh_run_dir
+
+    base = tmp_path / "runs" / "cpu_demo"
+    assert fresh_run_dir(base) == base  # missing
+    base.mkdir(parents=True)
+    assert fresh_run_dir(base) == base  # empty
+    (base / "metrics.jsonl").write_text("{}\n")
+    assert fresh_run_dir(base) == tmp_path / "runs" / "cpu_demo-2"
+    (tmp_path / "runs" / "cpu_demo-2").mkdir()
+    (tmp_path / "runs" / "cpu_demo-2" / "config.yaml").write_text("x")
+    assert fresh_run_dir(base) == tmp_path / "runs" / "cpu_demo-3"
