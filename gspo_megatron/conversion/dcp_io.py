@@ -122,14 +122,10 @@ def _meta_model(config: ModelConfig, vocab_rows: int):
                                            qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
                                            multi_latent_attention=config.is_mla)
              for moe in (True, False)}
-    if config.is_mla:  # MLA hands its key/value widths to the core attention, which only SDPAttention takes
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
+    if config.is_mla:
+        from gspo_megatron.megatron.model import local_mla_spec
 
-        from gspo_megatron.megatron.cpu_modules import SDPAttention, enable_local_mla
-        from gspo_megatron.megatron.model import _replace_in_spec
-
-        enable_local_mla()
-        specs = {moe: _replace_in_spec(spec, DotProductAttention, SDPAttention) for moe, spec in specs.items()}
+        specs = {moe: local_mla_spec(spec, config) for moe, spec in specs.items()}
     block = TransformerBlockSubmodules(layer_specs=[specs[config.is_moe_layer(i)] for i in range(config.num_layers)],
                                        layer_norm=WrappedTorchNorm)
     with torch.device("meta"):

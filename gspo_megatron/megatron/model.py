@@ -168,10 +168,28 @@ def mla_settings(model: ModelConfig) -> tuple[type, dict]:
 
     if not model.is_mla:
         return TransformerConfig, {}
+    check_mla_supported()
     return MLATransformerConfig, dict(
         multi_latent_attention=True, q_lora_rank=model.q_lora_rank or None, kv_lora_rank=model.kv_lora_rank,
         qk_head_dim=model.head_dim - model.qk_rope_head_dim, qk_pos_emb_head_dim=model.qk_rope_head_dim,
         v_head_dim=model.v_head_dim, rotary_base=model.rope_theta, rotary_percent=1.0, **yarn_settings(model))
+
+
+MLA_MEGATRON_CORE = ("0.16.1",)
+
+
+def check_mla_supported() -> None:
+    """Multi-latent attention is built on the local spec and tested with megatron-core 0.16.1 only. 0.19.2
+    resolves MLA's q/kv norms and projections through its backend (``mla_qk_norm_config``): with q/k norms on
+    it asks for a fused norm+linear (Transformer Engine) for a plain q projection, which the local spec has
+    not, and the rest of that path has not been verified here."""
+    from gspo_megatron.megatron.cpu_runtime import megatron_core_version
+
+    version = megatron_core_version()
+    if version not in MLA_MEGATRON_CORE:
+        raise ValueError(f"model.kv_lora_rank: multi-latent attention (deepseek_v3) is supported with megatron-core "
+                         f"{', '.join(MLA_MEGATRON_CORE)}, this is {version} (its MLA asks for Transformer Engine's "
+                         "fused norm+linear); use megatron-core 0.16.1")
 
 
 def yarn_settings(model: ModelConfig) -> dict:
@@ -232,12 +250,28 @@ def local_layer_spec(model: ModelConfig, fast_modules: bool = True, moe: bool | 
         num_experts=model.num_experts if moe else None, moe_grouped_gemm=False,
         qk_layernorm=model.qk_layernorm, normalization="RMSNorm", multi_latent_attention=model.is_mla)
     spec = _replace_in_spec(spec, WrappedTorchNorm, cpu_runtime.local_norm_class())
-    if model.is_mla:  # Megatron's local DotProductAttention cannot take MLA's separate key/value widths
-        cpu_modules.enable_local_mla()
-        spec = _replace_in_spec(spec, DotProductAttention, cpu_modules.SDPAttention)
+    if model.is_mla:
+        spec = local_mla_spec(spec, model)
     if fast_modules:
         spec = _replace_in_spec(spec, DotProductAttention, cpu_modules.SDPAttention)
         spec = _replace_in_spec(spec, SequentialMLP, cpu_modules.FunctionalSequentialMLP)
+    return spec
+
+
+def local_mla_spec(spec, model: ModelConfig):
+    """The local layer ``spec`` made to run multi-latent attention: Megatron's local DotProductAttention
+    cannot take MLA's separate key/value widths (``cpu_modules.SDPAttention`` can), and a plain q projection
+    (``q_lora_rank`` 0) has no latent to normalise: 0.16.1 skips building that norm, 0.19.2 refuses a
+    non-trivial ``q_layernorm`` then (``mla_qk_norm_config``), so it is an identity for both."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from gspo_megatron.megatron import cpu_modules
+
+    cpu_modules.enable_local_mla()
+    spec = _replace_in_spec(spec, DotProductAttention, cpu_modules.SDPAttention)
+    if not model.q_lora_rank:
+        spec.submodules.self_attention.submodules.q_layernorm = IdentityOp
     return spec
 
 

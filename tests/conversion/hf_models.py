@@ -66,6 +66,16 @@ FAMILIES = {
                                 moe_router_topk_scaling_factor=1.5, qk_layernorm=True),
 }
 
+def _mla_supported() -> bool:
+    from gspo_megatron.megatron.cpu_runtime import megatron_core_version
+    from gspo_megatron.megatron.model import MLA_MEGATRON_CORE
+
+    return megatron_core_version() in MLA_MEGATRON_CORE
+
+
+if not _mla_supported():  # megatron.model.check_mla_supported refuses them (tested in test_model_config)
+    FAMILIES = {name: overrides for name, overrides in FAMILIES.items() if not name.startswith("deepseek_v3")}
+
 TOKENIZER_FILES = {"tokenizer.json": '{"version": "1.0", "model": {"type": "test"}}\n',
                    "tokenizer_config.json": '{"model_max_length": 256}\n'}
 

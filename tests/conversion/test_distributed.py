@@ -5,7 +5,7 @@ import pytest
 
 from gspo_megatron.conversion import dcp_io, offline
 from gspo_megatron.megatron.spawn import run_distributed
-from tests.conversion.hf_models import family_config, make_hf_dir, read_all
+from tests.conversion.hf_models import FAMILIES, family_config, make_hf_dir, read_all
 from tests.conversion.workers import EXPORT_BUCKET_BYTES, conversion_checks
 
 pytestmark = pytest.mark.slow
@@ -15,6 +15,7 @@ CASES = {"qwen3_moe": ["tp2", "pp2", "ep2"], "llama_tied": ["tp2", "pp2"], "qwen
          "glm4_moe": ["tp2", "pp2", "ep2"], "deepseek_v3": ["tp2", "pp2", "ep2"],
          "deepseek_v3_plain_q": ["tp2", "ep2"], "deepseek_v3_grouped": ["ep2"],
          "deepseek_v3_yarn": ["tp2"]}
+CASES = {name: layouts for name, layouts in CASES.items() if name in FAMILIES}  # MLA needs megatron-core 0.16.1
 
 
 @pytest.fixture(scope="module")

@@ -260,3 +260,13 @@ def test_multi_latent_attention_refuses_the_transformer_engine_spec(monkeypatch)
     cfg = ModelConfig.from_hf_dict(hf_dict("deepseek_v3", **MOONLIGHT))
     with pytest.raises(ValueError, match="model.layer_spec: multi-latent attention .* set layer_spec: local"):
         model.layer_spec(cfg, config=None, choice="te")
+
+
+def test_multi_latent_attention_names_the_megatron_versions_it_runs_on(monkeypatch):
+    from gspo_megatron.megatron import cpu_runtime, model
+
+    monkeypatch.setattr(cpu_runtime, "megatron_core_version", lambda: "0.19.2")
+    with pytest.raises(ValueError, match=r"model.kv_lora_rank: .*megatron-core 0.16.1, this is 0.19.2"):
+        model.check_mla_supported()
+    monkeypatch.setattr(cpu_runtime, "megatron_core_version", lambda: "0.16.1")
+    model.check_mla_supported()
