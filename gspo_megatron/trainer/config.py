@@ -93,6 +93,9 @@ class TrainSection:
     # batches while the trainer updates; a batch is at most max_staleness updates old (trainer/overlap.py)
     rollout_mode: Literal["sync", "overlap"] = "sync"
     max_staleness: int = 1
+    # torch threads of each trainer process in overlap mode; 0: the process's share of the cores minus
+    # rollout.engine_threads. More can pay: the engine is idle once its batch is ahead.
+    trainer_threads: int = 0
 
     def validate(self, path: str) -> None:
         check(self.steps >= 0, f"{path}.steps", "must be >= 0")
@@ -100,6 +103,7 @@ class TrainSection:
         check(self.minibatches_per_step >= 1, f"{path}.minibatches_per_step", "must be >= 1")
         check(self.max_tokens_per_microbatch >= 1, f"{path}.max_tokens_per_microbatch", "must be >= 1")
         check(self.max_staleness >= 0, f"{path}.max_staleness", f"must be >= 0, got {self.max_staleness}")
+        check(self.trainer_threads >= 0, f"{path}.trainer_threads", f"must be >= 0, got {self.trainer_threads}")
 
 
 @dataclasses.dataclass

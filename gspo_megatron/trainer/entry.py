@@ -14,6 +14,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, config_required: bool =
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.steps=10")
     parser.add_argument("--run-dir", default=None, help="output folder (default: runs/<config name>)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    parser.add_argument("--init-from", default=None, metavar="CHECKPOINT",
+                        help="start from this checkpoint's policy weights (a training or converted checkpoint): "
+                             "step 0, a fresh optimizer, no warm start; --resume still takes the run's own newest")
     parser.add_argument("--nproc", type=_positive_int, default=1,
                         help="start this many local processes with torchrun (ignored under torchrun/srun)")
 
@@ -61,7 +64,11 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     config = load_config(args.config, args.overrides)  # validated before any process group exists
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
     parallel.init_process_group(launch.rank, launch.world_size, launch.master_addr, launch.master_port)
-    trainer = Trainer(config, run_dir, resume=args.resume)
+    if args.init_from is not None:
+        from gspo_megatron.megatron import checkpoint as ckpt
+
+        ckpt.verify(args.init_from)  # names the checkpoint and what is missing before anything is built
+    trainer = Trainer(config, run_dir, resume=args.resume, init_checkpoint=args.init_from)
     try:
         trainer.run()
     finally:

@@ -87,7 +87,8 @@ class Trainer:
         self.ahead = RolloutAhead(config.train.max_staleness) if overlap else None
         if overlap:
             # the engine process takes its own cores (rollout/process_engine.py)
-            torch.set_num_threads(max(1, torch.get_num_threads() - config.rollout.engine_threads))
+            torch.set_num_threads(config.train.trainer_threads
+                                  or max(1, torch.get_num_threads() - config.rollout.engine_threads))
         self.engine = self._build_engine()
         self.train_data, self.eval_data = load_prompt_datasets(config.data, self.tokenizer)
         self.prompts = PromptIterator(self.train_data, config.train.prompts_per_step, seed=config.data.seed,
@@ -561,6 +562,8 @@ class Trainer:
         if self.step == 0:
             last = self.evaluate()
             self.logger.log(0, last)
+            if cfg.train.steps == 0:
+                self.save_checkpoint()  # a warm-start-only run: its weights are what --init-from takes
         while self.step < cfg.train.steps:
             metrics = self.train_step()
             self.step += 1

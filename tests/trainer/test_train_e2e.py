@@ -84,6 +84,35 @@ def test_short_run_then_resume_matches_uninterrupted(tmp_path):
                 assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
 
 
+def test_init_from_a_warm_start_checkpoint_equals_the_warm_start_in_process(tmp_path):
+    """``train.steps=0`` runs the warm start and saves step 0; ``--init-from`` it gives exactly the run that
+    warm-starts in process (the same weights, a fresh optimizer, the same RL randomness). How
+    examples/experiments/gspo_vs_grpo.py shares one warm start between its arms."""
+    common = ["eval.every_steps=1", "eval.num_prompts=8", "train.prompts_per_step=4", "eval.pass_k=1"]
+    warm = train(tmp_path / "warm", "train.steps=0", "sft.steps=15", *common)
+    assert [m["step"] for m in warm] == [0]
+    start = tmp_path / "warm" / "checkpoints" / "step_000000"
+    assert (start / "gspo_meta.json").is_file()
+    direct = train(tmp_path / "direct", "train.steps=2", "sft.steps=15", *common)
+    # sft.steps is ignored with --init-from: the weights are the checkpoint's
+    proc = subprocess.run(command(tmp_path / "init", "train.steps=2", "sft.steps=15", *common) + ["--init-from", str(start)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "sft step" not in proc.stdout
+    init = [json.loads(line) for line in (tmp_path / "init" / "metrics.jsonl").read_text().splitlines()]
+    assert init[0]["eval_accuracy"] == warm[0]["eval_accuracy"]
+    assert [m["step"] for m in init] == [m["step"] for m in direct] == [0, 1, 2]
+    for a, b in zip(init, direct):
+        for key in ("reward_mean", "pg_loss", "grad_norm", "eval_accuracy"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+    missing = tmp_path / "nowhere"
+    proc = subprocess.run(command(tmp_path / "bad", "train.steps=1") + ["--init-from", str(missing)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env=ENV)
+    assert proc.returncode != 0 and f"{missing / 'metadata.json'}: missing" in proc.stderr
+
+
 def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"^rollout\.samples_per_prompt: must be >= 2"):
         load_config(DEMO, ["rollout.samples_per_prompt=1"])
