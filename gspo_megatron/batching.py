@@ -84,7 +84,8 @@ def collate(seqs: Sequence[TrainSequence], pad_multiple: int = 1, pad_id: int = 
     advantages [b] (or token_advantages [b, s]); old/ref/rollout_logprobs [b, s] when every sequence
     has them.
     """
-    s = _round_up(max([min_len] + [int(q.tokens.numel()) for q in seqs]), pad_multiple)
+    lengths = [int(q.tokens.numel()) for q in seqs]
+    s = _round_up(max([min_len] + lengths), pad_multiple)
     b = max(rows, len(seqs))
     out = {
         "input_ids": torch.full((b, s), pad_id, dtype=torch.long),
@@ -94,13 +95,27 @@ def collate(seqs: Sequence[TrainSequence], pad_multiple: int = 1, pad_id: int = 
     }
     fields = present_fields(seqs) if fields is None else fields
     per_token = {name: torch.zeros((b, s), dtype=torch.float32) for name in fields}
-    for row, q in enumerate(seqs):
-        n, p = int(q.tokens.numel()), q.prompt_len
-        out["input_ids"][row, :n] = q.tokens
-        out["labels"][row, :n - 1] = q.tokens[1:]
-        out["loss_mask"][row, p - 1:n - 1] = True
+    if seqs:
+        # One masked write per tensor instead of a slice per row: a boolean mask takes the values in row-major
+        # order, which is the order of the concatenated sequences (all fields, in every position they fill).
+        n = len(seqs)
+        if min(q.prompt_len for q in seqs) < 1:
+            raise ValueError("collate: every sequence needs prompt_len >= 1 (the first response token is "
+                             "predicted from the last prompt position)")
+        position = torch.arange(s)
+        length = torch.tensor(lengths).unsqueeze(1)
+        start = torch.tensor([q.prompt_len - 1 for q in seqs]).unsqueeze(1)
+        out["input_ids"][:n][position < length] = torch.cat([q.tokens for q in seqs])
+        out["labels"][:n][position < length - 1] = torch.cat([q.tokens[1:] for q in seqs])
+        response = (position >= start) & (position < length - 1)
+        out["loss_mask"][:n] = response
         for name, tensor in per_token.items():
-            tensor[row, p - 1:n - 1] = getattr(q, name)
+            values = [getattr(q, name) for q in seqs]
+            bad = [i for i, (q, v) in enumerate(zip(seqs, values)) if v.numel() != q.response_len]
+            if bad:
+                raise ValueError(f"collate: sequence {bad[0]} has {values[bad[0]].numel()} {name} for "
+                                 f"{seqs[bad[0]].response_len} response tokens")
+            tensor[:n][response] = torch.cat(values).to(torch.float32)
     out.update(per_token)
     if "token_advantages" not in per_token:
         out["advantages"] = torch.zeros(b, dtype=torch.float32)

@@ -4,8 +4,10 @@ warm-up + decay LR schedule) and its construction through Megatron-Core's ``get_
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
+import torch.distributed as dist
 
 from gspo_megatron.typed_config import check
 
@@ -70,6 +72,63 @@ def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, pr
         for group in optimizer.param_groups:
             group["fused"] = True
     return optimizer, scheduler
+
+
+def _local_fallback() -> bool:
+    """True when Megatron's gradient clipping runs its local (no apex / TE) multi-tensor fallback, the CPU
+    case: one small op and a host round trip per parameter, which ``clip_and_step`` does in bulk."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    return clip_grads.l2_norm_impl is local_multi_tensor_l2_norm
+
+
+def _l2_norm(grads: list[torch.Tensor], group) -> float:
+    """Megatron's ``get_grad_norm_fp32`` (norm type 2) with its local l2-norm fallback, the same float:
+    per-tensor norms, the norm of those, squared in fp32, summed over ``group``, square root in Python.
+    The per-tensor norms come from one foreach call, and a group of one rank needs no all-reduce."""
+    l2 = torch.norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
+    total = torch.tensor([float(l2)], dtype=torch.float) ** 2.0
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total.item() ** 0.5
+
+
+def grad_norm(optimizer) -> float:
+    """What Megatron's ``ChainedOptimizer.get_grad_norm`` returns (one norm over all chained optimizers'
+    gradients), computed with ``_l2_norm``."""
+    chained = optimizer.chained_optimizers
+    if len(chained) == 1 or optimizer.grads_states_parallel_group_is_shared():
+        grads = [g for o in chained for g in o.get_main_grads_for_grad_norm()]
+        return _l2_norm(grads, chained[0].get_grad_stats_parallel_group())
+    norms = [_l2_norm(o.get_main_grads_for_grad_norm(), o.get_grad_stats_parallel_group()) for o in chained]
+    return math.sqrt(sum((n if n else 0.0) ** 2 for n in norms))
+
+
+def clip_and_step(optimizer) -> tuple[bool, float | None]:
+    """Megatron's ``ChainedOptimizer.step`` (prepare the gradients, their norm, clip to ``clip_grad``,
+    step), the same arithmetic; returns (update done, grad norm or None when the mixed-precision
+    optimizer found inf/NaN). Where Megatron clips with its local fallback (CPU) the norm and the scaling
+    run as foreach ops (``grad_norm``; ``g *= coeff`` is the fallback's ``g.copy_(g * coeff)``), which
+    removes most of the per-step overhead of the demo's small model; elsewhere this is Megatron's step."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    if not (isinstance(optimizer, ChainedOptimizer) and _local_fallback()) or optimizer.config.log_num_zeros_in_grad:
+        ok, norm, _ = optimizer.step()
+        return ok, norm
+    if optimizer.prepare_grads():
+        return False, None
+    norm = grad_norm(optimizer)
+    for chained in optimizer.chained_optimizers:
+        if getattr(chained, "is_stub_optimizer", False) or chained.config.clip_grad <= 0.0:  # as Megatron reads it
+            continue
+        if chained.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            raise ValueError("clip_and_step: the precision-aware optimizer (decoupled grads) is not supported")
+        coeff = chained.config.clip_grad / (norm + 1.0e-6)
+        grads = [p.grad for p in chained.get_parameters() if p.grad is not None]
+        if coeff < 1.0 and grads:
+            torch._foreach_mul_(grads, coeff)
+    return optimizer.step_with_ready_grads(), norm
 
 
 def warm_start_config(optim: OptimizerConfig, lr: float) -> OptimizerConfig:

@@ -25,7 +25,7 @@ from gspo_megatron.batching import TrainSequence, collate, pack_microbatches, pr
 from gspo_megatron.megatron import sharding
 from gspo_megatron.megatron.device import to_device, to_host
 from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
-from gspo_megatron.megatron.optimizer import OptimizerConfig, build_optimizer, warm_start_config
+from gspo_megatron.megatron.optimizer import OptimizerConfig, build_optimizer, clip_and_step, warm_start_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,14 +447,19 @@ class PolicyModel:
         return _from_last_stage(raw, self.groups)
 
     def grads_finite(self) -> bool:
-        """True when every gradient on every rank is finite (one MIN all-reduce over the world).
+        """True when every gradient on every rank is finite (one MIN all-reduce over the world, none in a
+        world of one).
 
-        Megatron DDP keeps all gradients in a few contiguous buffers: one check per buffer."""
-        buffers = [*self.ddp.buffers, *self.ddp.expert_parallel_buffers]
-        finite = all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in buffers)
+        Megatron DDP keeps all gradients in a few contiguous buffers. A buffer's sum is finite only if all
+        its elements are (inf and NaN propagate), so one summing pass per buffer settles the usual case;
+        only a non-finite sum (a NaN/inf, or finite values overflowing fp32) pays the element-wise test."""
+        grads = [buffer.grad_data for buffer in (*self.ddp.buffers, *self.ddp.expert_parallel_buffers)]
+        sums = torch.stack([g.sum(dtype=torch.float32) for g in grads]) if grads else torch.zeros(0)
+        finite = bool(torch.isfinite(sums).all()) or all(bool(torch.isfinite(g).all()) for g in grads)
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return finite
         flag = torch.tensor([1.0 if finite else 0.0])
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def optimizer_step(self) -> dict:
@@ -465,7 +470,7 @@ class PolicyModel:
             self.optimizer.zero_grad()
             self.skipped_steps += 1
             return {"update_skipped": 1.0, "grad_norm": float("nan"), "lr": self.current_lr()}
-        ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm = clip_and_step(self.optimizer)
         if not ok:
             self.skipped_steps += 1
         self.scheduler.step(increment=1)
@@ -481,7 +486,9 @@ class PolicyModel:
         update_skipped."""
         raw = self.forward_backward(seqs, replay=replay)
         step = self.optimizer_step()
-        metrics = {k: float(v) for k, v in finalize_metrics(raw).items()} if raw else {}
+        final = finalize_metrics(raw) if raw else {}
+        # one host conversion for all the 0-d metrics (float() per key converts one at a time)
+        metrics = dict(zip(final, torch.stack(list(final.values())).tolist())) if final else {}
         metrics.update(step)
         return metrics
 
