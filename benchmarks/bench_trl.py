@@ -249,7 +249,7 @@ def run_ours(args: argparse.Namespace) -> None:
         if trainer.ahead is not None:
             # overlap: the engine process must be idle before the other side steps, so the batch it generates
             # ahead is finished inside our step (the next step then finds it ready): step = the pipeline's period
-            trainer.ahead.complete(lambda request_id: trainer.engine.result(request_id).samples)
+            trainer.ahead.complete(trainer.engine.result)
         drain = time.perf_counter() - drain
         wall = time.perf_counter() - t
         trainer.step += 1

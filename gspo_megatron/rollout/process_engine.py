@@ -20,6 +20,7 @@ import dataclasses
 import multiprocessing
 import os
 import pickle
+import time
 import traceback
 from typing import Iterable, Sequence
 
@@ -39,6 +40,7 @@ class GenerationResult:
 
     samples: list[Sample]
     weight_version: int
+    generate_s: float  # the child's wall time for this generation (how much work the overlap can hide)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +77,9 @@ def _child_main(conn, spec: EngineSpec, parent_pid: int) -> None:
                 answer = engine.weight_version
             elif kind == "generate":
                 prompts, samples_per_prompt, params = payload
-                answer = GenerationResult(engine.generate(prompts, samples_per_prompt, params), engine.weight_version)
+                start = time.perf_counter()
+                samples = engine.generate(prompts, samples_per_prompt, params)
+                answer = GenerationResult(samples, engine.weight_version, time.perf_counter() - start)
             else:
                 raise ValueError(f"engine process: unknown request {kind!r}")
         except Exception:  # noqa: BLE001 - sent to the parent, which raises it as EngineProcessError

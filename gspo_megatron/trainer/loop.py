@@ -33,7 +33,7 @@ from gspo_megatron.megatron.parallel import initialize_model_parallel
 from gspo_megatron.batching import TrainSequence, iter_minibatches, split_for_data_parallel
 from gspo_megatron.megatron.policy_model import PolicyModel
 from gspo_megatron.rollout.base import SamplingParams
-from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, staleness
+from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, overlap_timing, staleness
 from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
 from gspo_megatron.trainer.run_dir import claim as claim_run_dir
 from gspo_megatron.trainer.run_dir import on_main_rank
@@ -261,7 +261,8 @@ class Trainer:
             if prompt_ids:
                 try:
                     if flight is not None and flight.request_id is not None and attempt == 0:
-                        samples = self.engine.result(flight.request_id).samples
+                        flight.take(self.engine.result)
+                        samples = flight.samples
                     else:
                         samples = self.engine.generate(prompt_ids, samples_per_prompt, params)
                 except Exception as err:  # noqa: BLE001 - contained: counted, engine rebuilt, re-raised at the limit
@@ -307,9 +308,9 @@ class Trainer:
                 self.engine.cancel(queued.request_id)
             queued.request_id, queued.version = self._submit(queued), self.step + 1
 
-    def _rollout_ahead(self) -> tuple[list, dict[str, float], int]:
+    def _rollout_ahead(self) -> tuple[list, dict[str, float], int, dict[str, float]]:
         """Steps 1-2 in overlap mode: keep the next ``max_staleness`` steps' batches generating, take this
-        step's, score it. Returns (batch, reward metrics, staleness)."""
+        step's, score it. Returns (batch, reward metrics, staleness, overlap timing)."""
         self.ahead.top_up(self.step, lambda: next(self.prompts), self._submit)
         flight = self.ahead.pop(self.step)
         mine, params = self._flight_sampling(flight)
@@ -318,7 +319,7 @@ class Trainer:
                                             params, flight=flight)
         age = staleness(self.step + 1, flight.version, self.ahead.max_staleness, flight.step)
         batch, reward_metrics = self._score_and_gather(mine, flight.samples, self.config.rollout.samples_per_prompt)
-        return batch, reward_metrics, age
+        return batch, reward_metrics, age, overlap_timing(flight)
 
     def train_step(self) -> dict[str, float]:
         """One GSPO step, the paper's order: 1-2 rollout of G samples per prompt and their rewards; 3 group
@@ -337,9 +338,9 @@ class Trainer:
             batch, reward_metrics = self.rollout(next(self.prompts), step_seed(cfg.train.seed, self.step, 1), G,
                                                  cfg.rollout.temperature, cfg.rollout.max_new_tokens,
                                                  routed_experts=replay == "r3")
-            age = 0
+            age, timing = 0, {}
         else:
-            batch, reward_metrics, age = self._rollout_ahead()
+            batch, reward_metrics, age, timing = self._rollout_ahead()
         timings["time_rollout_s"] = time.perf_counter() - t0
         if self.engine.releases_memory and self.ahead is None:
             # colocated servers give their GPUs back while the trainer works; sync_weights resumes them
@@ -383,6 +384,7 @@ class Trainer:
         metrics["staleness"] = float(age)
         if self.ahead is not None:
             metrics.update({f"{k}/staleness{age}": v for k, v in list(metrics.items()) if k.startswith("clip_frac")})
+            metrics.update(timing)
         metrics.update({f"reward/{k}": v for k, v in reward_metrics.items()})
         metrics.update(timings)
         total = time.perf_counter() - t0
@@ -501,7 +503,7 @@ class Trainer:
                 "config": to_dict(self.config)}
         if self.ahead is not None:
             # the batches already generated ahead belong to the run: the resumed run consumes the same ones
-            self.ahead.complete(lambda request_id: self.engine.result(request_id).samples)
+            self.ahead.complete(self.engine.result)
             parts = [None] * self.dp_size
             dist.all_gather_object(parts, self.ahead.state_dict(), group=self.policy.groups.data_parallel)
             meta["rollout_ahead"] = {"dp_size": self.dp_size, "ranks": parts}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -42,6 +43,25 @@ class InFlight:
     version: int
     request_id: int | None = None
     samples: list[Sample] | None = None
+    generate_s: float | None = None  # the engine's time generating it (None: not known, e.g. after a resume)
+    waited_s: float = 0.0  # the trainer's time blocked on it
+
+    def take(self, result: Callable[[int], Any]) -> None:
+        """Wait for the engine's answer (``result(request_id)``: a ``GenerationResult``) and keep it."""
+        start = time.perf_counter()
+        answer = result(self.request_id)
+        self.waited_s += time.perf_counter() - start
+        self.samples, self.generate_s, self.request_id = answer.samples, answer.generate_s, None
+
+
+def overlap_timing(flight: InFlight) -> dict[str, float]:
+    """How much of a batch's generation ran while the trainer worked: the engine's seconds, the trainer's
+    wait, and the hidden fraction 1 - wait / generation (1: fully overlapped, 0: the trainer waited it all)."""
+    if flight.generate_s is None:
+        return {}
+    hidden = 1.0 - flight.waited_s / flight.generate_s if flight.generate_s > 0 else 1.0
+    return {"time_engine_generate_s": flight.generate_s, "time_generate_wait_s": flight.waited_s,
+            "overlap_hidden_frac": min(1.0, max(0.0, hidden))}
 
 
 def staleness(consumer_version: int, batch_version: int, max_staleness: int, step: int) -> int:
@@ -80,12 +100,13 @@ class RolloutAhead:
             raise RuntimeError(f"overlapped rollout: no batch for step {current_step} (queued: {have})")
         return self.queue.popleft()
 
-    def complete(self, wait: Callable[[int], list[Sample]]) -> None:
-        """Wait for every batch still generating (before a checkpoint)."""
+    def complete(self, result: Callable[[int], Any]) -> None:
+        """Wait for every batch still generating (before a checkpoint); ``result`` as in ``InFlight.take``."""
         for flight in self.queue:
-            if flight.samples is None:
-                flight.samples = [] if flight.request_id is None else wait(flight.request_id)
-                flight.request_id = None
+            if flight.samples is None and flight.request_id is None:
+                flight.samples = []  # this rank has no prompts in that batch
+            elif flight.samples is None:
+                flight.take(result)
 
     # ---- checkpoint ------------------------------------------------------------------------------
     def state_dict(self) -> list[dict[str, Any]]:

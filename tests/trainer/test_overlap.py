@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from gspo_megatron.rollout.base import Sample, SamplingParams
-from gspo_megatron.trainer.overlap import RolloutAhead, sample_from_dict, sample_to_dict, staleness
+from gspo_megatron.trainer.overlap import (InFlight, RolloutAhead, overlap_timing, sample_from_dict, sample_to_dict,
+                                           staleness)
 from tests.trainer.test_train_e2e import DEMO, REPO, kill_after_checkpoint, train
 
 
@@ -43,6 +44,28 @@ def test_schedule_never_exceeds_max_staleness(max_staleness):
         staleness(5, 3, 1, 4)
     with pytest.raises(RuntimeError, match="no batch for step 3"):
         ahead.pop(3)
+
+
+def test_overlap_timing_reports_the_hidden_fraction_of_generation():
+    """A batch the engine took 2 s to generate and the trainer waited 0.5 s for was 75 % hidden; waits
+    add up (a checkpoint's wait, then the step's); an unknown generation time reports nothing."""
+    class Answer:
+        samples, generate_s = ["s"], 2.0
+
+    def result(request_id):
+        assert request_id == 7
+        time.sleep(0.05)
+        return Answer()
+
+    flight = InFlight(step=3, prompts=[], version=4, request_id=7)
+    flight.take(result)
+    assert flight.samples == ["s"] and flight.request_id is None and 0.05 <= flight.waited_s < 1.0
+    flight.waited_s = 0.5
+    assert overlap_timing(flight) == {"time_engine_generate_s": 2.0, "time_generate_wait_s": 0.5,
+                                      "overlap_hidden_frac": 0.75}
+    flight.waited_s = 3.0  # waited longer than it generated (queued behind another request): nothing hidden
+    assert overlap_timing(flight)["overlap_hidden_frac"] == 0.0
+    assert overlap_timing(InFlight(step=0, prompts=[], version=1, samples=[])) == {}
 
 
 def test_samples_survive_the_checkpoint_format():
@@ -85,6 +108,7 @@ def test_engine_process_applies_updates_and_generations_in_order():
         second = engine.submit(prompts, 3, params)
         got = {0: engine.result(first), 1: engine.result(second)}
         assert (got[0].weight_version, got[1].weight_version) == (1, 2)
+        assert got[0].generate_s > 0 and got[1].generate_s > 0
         for version in (0, 1):
             reference.update_weights(weights[version], final=True)
             expected = reference.generate(prompts, 3, params)
@@ -137,6 +161,9 @@ def test_overlap_run_resumes_exactly_after_sigkill(tmp_path):
     assert [m["step"] for m in full] == [0, 1, 2, 3, 4]
     assert [m["staleness"] for m in full[1:]] == [0.0, 1.0, 1.0, 1.0]
     assert all("clip_frac_seq/staleness1" in m for m in full[2:])
+    # step 1's batch was generated while the trainer waited for it; later ones partly while it trained
+    assert all(0.0 <= m["overlap_hidden_frac"] <= 1.0 and m["time_engine_generate_s"] > 0 for m in full[1:])
+    assert full[1]["overlap_hidden_frac"] < 0.5
     assert kill_after_checkpoint(tmp_path / "split", 2, *common) == -signal.SIGKILL
     resumed = train(tmp_path / "split", *common, resume=True)
     assert [m["step"] for m in resumed] == [m["step"] for m in full]
