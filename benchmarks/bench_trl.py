@@ -257,6 +257,7 @@ def run_ours(args: argparse.Namespace) -> None:
               "logprobs": metrics["time_logprobs_s"], "update": metrics["time_update_s"],
               "sync": metrics["time_sync_s"], "step": wall if trainer.ahead is not None else metrics["time_step_s"],
               "wall": wall, "overlap_drain": drain,
+              "engine_generate": metrics.get("time_engine_generate_s"), "overlap_hidden": metrics.get("overlap_hidden_frac"),
               "reward_mean": metrics["reward_mean"], "response_length_mean": metrics["response_length_mean"],
               "clip_frac_seq": metrics["clip_frac_seq"]})
     trainer.close()
@@ -276,6 +277,11 @@ def summarize(ours: list[dict], trl: list[dict]) -> dict:
     out["ours_sync_median_s"] = statistics.median(s["sync"] for s in ours)
     out["ours_generate_only_median_s"] = statistics.median(s["generate_only"] for s in ours)
     out["trl_generate_only_median_s"] = statistics.median(s["generate_only"] for s in trl)
+    overlapped = [s for s in ours if s.get("engine_generate") is not None]
+    if overlapped:
+        # overlap mode: the engine process's own generation time, and the share of it the trainer did not wait for
+        out["ours_engine_generate_median_s"] = statistics.median(s["engine_generate"] for s in overlapped)
+        out["ours_overlap_hidden_median"] = statistics.median(s["overlap_hidden"] for s in overlapped)
     return out
 
 
@@ -293,6 +299,9 @@ def print_table(summary: dict, title: str) -> None:
     table.add_row("sync (ours only)", f"{summary['ours_sync_median_s']:.3f}", "-", "", "", "")
     table.add_row("  of generation: sampling", f"{summary['ours_generate_only_median_s']:.3f}",
                   f"{summary['trl_generate_only_median_s']:.3f}", "", "", "")
+    if "ours_engine_generate_median_s" in summary:
+        table.add_row("engine process generating", f"{summary['ours_engine_generate_median_s']:.3f}", "-",
+                      f"{summary['ours_overlap_hidden_median']:.0%} hidden", "", "")
     Console().print(table)
 
 
