@@ -3,10 +3,11 @@ per mini-batch (the demo's four) plus the routing-drift forwards (``train.measur
 default), on one torch thread, one process (gloo world size 1, like ``run_ours`` in bench_trl.py).
 
 It builds the demo Trainer (examples/cpu_demo.yaml, engine log-probs as pi_old), runs one train_step to get a
-rollout batch already split into mini-batch shares, then:
+rollout batch already split into mini-batch shares (advantages set to +-1: the untrained model's are all 0),
+then:
 
-* ``--baseline REV`` (default: none): a second PolicyModel built from ``policy_model.py`` and ``optimizer.py``
-  as they are at git revision REV, with the same weights. Both first run the same update from the same
+* ``--baseline REV`` (default: none): a second PolicyModel built from ``policy_model.py``, ``optimizer.py``
+  and ``batching.py`` as they are at git revision REV, with the same weights. Both first run the same update from the same
   state and must agree bit for bit (metrics and parameters); then their updates alternate A/B/A/B and the
   script prints the medians and the median of the per-pair ratios (the machine is shared: only ratios
   measured side by side mean anything).
@@ -18,6 +19,7 @@ rollout batch already split into mini-batch shares, then:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import cProfile
 import importlib.util
 import io
@@ -35,8 +37,10 @@ CONFIG = REPO / "examples" / "cpu_demo.yaml"
 OVERRIDES = ["sft.steps=0", "eval.every_steps=0", "checkpoint.every_steps=0", "train.steps=1000",
              "logging.tensorboard=false", "logging.console=false", "rewards.num_workers=0",
              "rollout.logprobs_from=engine"]
-BASELINE_FILES = {"optimizer": "gspo_megatron/megatron/optimizer.py",
-                  "policy_model": "gspo_megatron/megatron/policy_model.py"}
+# the files a baseline revision supplies, in import order (each later one imports the earlier ones)
+BASELINE_FILES = {"gspo_megatron.batching": "gspo_megatron/batching.py",
+                  "gspo_megatron.megatron.optimizer": "gspo_megatron/megatron/optimizer.py",
+                  "gspo_megatron.megatron.policy_model": "gspo_megatron/megatron/policy_model.py"}
 
 # (label, file suffix, function name) of the calls whose cumulative time the profile summary reports
 PHASES = (
@@ -93,31 +97,44 @@ def build_trainer(run_dir: str, overrides: list[str]):
     trainer._update = capture
     trainer.train_step()
     del trainer._update  # the class's again
-    return trainer, captured[0]
+    shares = captured[0]
+    # The random model (no warm start) scores 0 everywhere, so every advantage is 0 and so is the gradient:
+    # +-1 advantages make the update (and the clipping) do real work.
+    for share in shares:
+        for i, q in enumerate(share):
+            q.advantage = 1.0 if i % 2 else -1.0
+    return trainer, shares
 
 
 def load_at_revision(rev: str):
-    """policy_model.py and optimizer.py as at git ``rev``, imported as private modules (the baseline)."""
+    """``BASELINE_FILES`` as at git ``rev``, imported as private modules that import each other: the
+    baseline PolicyModel class."""
     modules = {}
     for name, path in BASELINE_FILES.items():
         source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True, capture_output=True,
                                 text=True).stdout
-        spec = importlib.util.spec_from_loader(f"_baseline_{name}", loader=None)
+        for earlier in modules:
+            source = source.replace(f"from {earlier} import", f"from {_private(earlier)} import")
+        spec = importlib.util.spec_from_loader(_private(name), loader=None)
         module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-        if name == "policy_model":  # its build_optimizer: the baseline's too
-            source = source.replace("from gspo_megatron.megatron.optimizer import", "from _baseline_optimizer import")
         exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
         modules[name] = module
-    return modules["policy_model"].PolicyModel
+    return modules["gspo_megatron.megatron.policy_model"].PolicyModel
 
 
-def policy_like(cls, trainer):
-    """A PolicyModel of class ``cls`` built like the trainer's, holding the trainer policy's weights."""
+def _private(name: str) -> str:
+    return "_baseline_" + name.replace(".", "_")
+
+
+def policy_like(cls, trainer, weights: dict, clip_grad: float | None = None):
+    """A PolicyModel of class ``cls`` built like the trainer's, holding ``weights`` (a module state dict);
+    ``clip_grad`` overrides the config's."""
     cfg = trainer.config
-    policy = cls(trainer.model_config, cfg.parallel, cfg.optimizer, cfg.loss,
+    optim = cfg.optimizer if clip_grad is None else dataclasses.replace(cfg.optimizer, clip_grad=clip_grad)
+    policy = cls(trainer.model_config, cfg.parallel, optim, cfg.loss,
                  max_tokens_per_microbatch=cfg.train.max_tokens_per_microbatch, temperature=cfg.rollout.temperature,
                  runtime=cfg.model.runtime)
-    policy.module.load_state_dict(trainer.policy.module.state_dict())
+    policy.module.load_state_dict(weights)
     return policy
 
 
@@ -138,7 +155,8 @@ def check_identical(trainer, a, b, shares) -> None:
     for (name, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
         if not bool((pa == pb).all()):
             raise SystemExit(f"parameter {name} differs after the update")
-    print(f"identical: {len(ma)} mini-batches, {len(ma[0])} metrics each, all parameters bit-equal")
+    print(f"identical: {len(ma)} mini-batches, {len(ma[0])} metrics each, all parameters bit-equal; grad norms "
+          f"{[round(m['grad_norm'], 3) for m in ma]} (clip_grad {a.optim_config.clip_grad})")
 
 
 def timed(trainer, policy, shares) -> float:
@@ -190,7 +208,7 @@ def profile(trainer, policy, shares, repeats: int, top: int, dump: str | None) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", help="git revision of policy_model.py / optimizer.py to compare with")
+    parser.add_argument("--baseline", help="git revision of policy_model.py, optimizer.py and batching.py to compare with")
     parser.add_argument("--repeats", type=int, default=20, help="A/B pairs of update phases")
     parser.add_argument("--profile-repeats", type=int, default=10, help="update phases under cProfile (0: none)")
     parser.add_argument("--top", type=int, default=30, help="functions listed by own time")
@@ -210,9 +228,15 @@ def main() -> None:
         trainer, shares = build_trainer(run_dir, args.override)
         print(f"{len(shares)} mini-batches of {[len(s) for s in shares]} sequences, "
               f"{sum(int(q.tokens.numel()) for s in shares for q in s)} tokens; torch threads {torch.get_num_threads()}")
-        current = policy_like(PolicyModel, trainer)
+        # every policy starts from the weights that sampled the batch (``update`` replaces trainer.policy)
+        weights = {k: v.clone() for k, v in trainer.policy.module.state_dict().items() if v is not None}
+        current = policy_like(PolicyModel, trainer, weights)
         if args.baseline:
-            baseline = policy_like(load_at_revision(args.baseline), trainer)
+            baseline_class = load_at_revision(args.baseline)
+            # the demo's gradients stay under clip_grad 1: check once more with a clip that scales them
+            check_identical(trainer, policy_like(baseline_class, trainer, weights, clip_grad=0.3),
+                            policy_like(PolicyModel, trainer, weights, clip_grad=0.3), shares)
+            baseline = policy_like(baseline_class, trainer, weights)
             check_identical(trainer, baseline, current, shares)
             ab(trainer, baseline, current, shares, args.repeats)
         else:
