@@ -24,10 +24,11 @@ COMMON = ["sft.steps=40", "sft.batch_size=32", "train.prompts_per_step=8", "roll
           "train.minibatches_per_step=2", "eval.every_steps=2", "eval.num_prompts=8", "eval.pass_k=1",
           "checkpoint.every_steps=0", "logging.console=false", "logging.tensorboard=false",
           "rollout.temperature=0.8"]
+OVERLAP = ["train.rollout_mode=overlap"]  # the engine in its own process, batches one update stale
 LAYOUTS = {
-    1: {"single": []},
+    1: {"single": [], "single_overlap": OVERLAP},
     2: {"tp2": ["parallel.tensor_parallel=2"], "pp2": ["parallel.pipeline_parallel=2"],
-        "ep2": ["parallel.expert_parallel=2"], "dp2": []},
+        "ep2": ["parallel.expert_parallel=2"], "dp2": [], "dp2_overlap": OVERLAP},
     4: {"tp2_ep2": ["parallel.tensor_parallel=2", "parallel.expert_parallel=2"],
         "pp2_dp2": ["parallel.pipeline_parallel=2"],
         "tp2_pp2": ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"]},
@@ -69,8 +70,13 @@ def _runs(tmp_path_factory, world_size):
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return _runs(tmp_path_factory, 1)["single"]
+def ones(tmp_path_factory):
+    return _runs(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def single(ones):
+    return ones["single"]
 
 
 def _assert_same_run(got, want, layout):
@@ -104,9 +110,18 @@ def two(tmp_path_factory):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", list(LAYOUTS[2]))
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS[2] if not name.endswith("_overlap")])
 def test_two_process_layouts_train_the_same_model(single, two, layout):
     _assert_same_run(two[layout], single, layout)
+
+
+@pytest.mark.distributed
+def test_overlapped_rollouts_train_the_same_model_on_two_data_parallel_ranks(ones, two):
+    """Overlap mode at DP=2 (an engine process per rank, each generating its share ahead) equals overlap
+    mode on one process; and it is a different schedule from sync mode (one-step-stale batches)."""
+    _assert_same_run(two["dp2_overlap"], ones["single_overlap"], "dp2_overlap")
+    assert [m.get("staleness") for m in ones["single_overlap"][1:]] == [0.0, 1.0, 1.0, 1.0]
+    assert [m["reward_mean"] for m in ones["single_overlap"][2:]] != [m["reward_mean"] for m in ones["single"][2:]]
 
 
 @pytest.fixture(scope="module")
