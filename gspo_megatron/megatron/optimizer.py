@@ -4,6 +4,7 @@ warm-up + decay LR schedule) and its construction through Megatron-Core's ``get_
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -74,9 +75,20 @@ def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, pr
     return optimizer, scheduler
 
 
-def _local_fallback() -> bool:
-    """True when Megatron's gradient clipping runs its local (no apex / TE) multi-tensor fallback, the CPU
-    case: one small op and a host round trip per parameter, which ``clip_and_step`` does in bulk."""
+# megatron-core releases whose ChainedOptimizer.step ``clip_and_step`` follows line for line (0.19 adds
+# per-group clipping, grad_norm_groups, and keeps its own step).
+STEP_MIRRORED_IN = ("0.16.1",)
+
+
+@functools.cache  # the installed release and Megatron's clipping backend are fixed at import
+def _fast_step_applies() -> bool:
+    """True on a megatron-core release of ``STEP_MIRRORED_IN`` whose gradient clipping runs its local (no
+    apex / TE) multi-tensor fallback, the CPU case: one small op and a host round trip per parameter,
+    which ``clip_and_step`` does in bulk."""
+    from gspo_megatron.megatron.cpu_runtime import megatron_core_version
+
+    if megatron_core_version() not in STEP_MIRRORED_IN:
+        return False
     from megatron.core.optimizer import clip_grads
     from megatron.core.utils import local_multi_tensor_l2_norm
 
@@ -108,12 +120,13 @@ def grad_norm(optimizer) -> float:
 def clip_and_step(optimizer) -> tuple[bool, float | None]:
     """Megatron's ``ChainedOptimizer.step`` (prepare the gradients, their norm, clip to ``clip_grad``,
     step), the same arithmetic; returns (update done, grad norm or None when the mixed-precision
-    optimizer found inf/NaN). Where Megatron clips with its local fallback (CPU) the norm and the scaling
-    run as foreach ops (``grad_norm``; ``g *= coeff`` is the fallback's ``g.copy_(g * coeff)``), which
-    removes most of the per-step overhead of the demo's small model; elsewhere this is Megatron's step."""
+    optimizer found inf/NaN). Where Megatron clips with its local fallback (CPU, ``_fast_step_applies``)
+    the norm and the scaling run as foreach ops (``grad_norm``; ``g *= coeff`` is the fallback's
+    ``g.copy_(g * coeff)``), which removes most of the per-step overhead of the demo's small model;
+    elsewhere this is Megatron's step."""
     from megatron.core.optimizer import ChainedOptimizer
 
-    if not (isinstance(optimizer, ChainedOptimizer) and _local_fallback()) or optimizer.config.log_num_zeros_in_grad:
+    if not (isinstance(optimizer, ChainedOptimizer) and _fast_step_applies()) or optimizer.config.log_num_zeros_in_grad:
         ok, norm, _ = optimizer.step()
         return ok, norm
     if optimizer.prepare_grads():
