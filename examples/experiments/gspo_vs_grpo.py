@@ -3,17 +3,17 @@
     python examples/experiments/gspo_vs_grpo.py run --scale full --out runs/gspo_vs_grpo
     python examples/experiments/gspo_vs_grpo.py report              # figures + the docs/training.md block
 
-``run`` trains every arm x seed with ``examples/experiments/moe_repro.yaml`` (4-layer, 16-expert top-4
-Qwen3-MoE shape; the ``chain`` multi-step arithmetic task; a supervised warm start, then RL), one
-``gspo-megatron train`` process per run, and writes every run's per-step metrics into one results file
-(``benchmarks/results/gspo_vs_grpo.json`` by default; temp file, then rename). ``report`` reads only that
-file: it draws the figures (``docs/figures/gspo_vs_grpo/``) and rewrites the block between the
+``run`` trains, per seed, one supervised warm start (``train.steps=0``) and then every arm from it
+(``--init-from``), with ``examples/experiments/moe_repro.yaml`` (4-layer, 16-expert top-4 Qwen3-MoE shape;
+the ``chain`` multi-step arithmetic task), one ``gspo-megatron train`` process per run, and writes every
+run's per-step metrics into one results file (``benchmarks/results/gspo_vs_grpo.json`` by default; temp
+file, then rename, after every run; runs it already holds are skipped). ``report`` reads only that file: it
+draws the figures (``docs/figures/gspo_vs_grpo/``) and rewrites the block between the
 ``<!-- gspo_vs_grpo:begin -->`` / ``<!-- gspo_vs_grpo:end -->`` markers of docs/training.md, so no number
 in the docs is copied by hand.
 
-Scales: ``full`` (the reproduction: 3 seeds, 100 RL steps after 300 warm-start steps), ``probe`` (the full
-settings for 2 RL steps after 20 warm-start steps, one seed: times one step for the full run's estimate)
-and ``ci`` (2 RL steps of a shrunken model and batch, one seed: what tests/experiments runs).
+Scales: ``full`` (the reproduction: 3 seeds, the config's 600 warm-start and 60 RL steps; about an hour on
+2 CPU cores) and ``ci`` (2 RL steps of a shrunken model and batch, one seed: what tests/experiments runs).
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "experiments" / "moe_repro.yaml"
 RESULTS = REPO / "benchmarks" / "results" / "gspo_vs_grpo.json"
-ESTIMATE = REPO / "benchmarks" / "results" / "gspo_vs_grpo_estimate.json"
 FIGURES = REPO / "docs" / "figures" / "gspo_vs_grpo"
 DOC = REPO / "docs" / "training.md"
 BEGIN, END = "<!-- gspo_vs_grpo:begin -->", "<!-- gspo_vs_grpo:end -->"
@@ -44,7 +43,6 @@ ARMS = {
 }
 SCALES = {
     "full": {"seeds": 3, "overrides": []},
-    "probe": {"seeds": 1, "overrides": ["train.steps=2", "sft.steps=20", "eval.every_steps=0"]},
     # the pipeline of every arm, not the science: 2 layers, 8 experts (top-4 kept), a tiny batch
     "ci": {"seeds": 1, "overrides": ["train.steps=2", "sft.steps=5", "train.prompts_per_step=2",
                                      "rollout.samples_per_prompt=4", "train.minibatches_per_step=2",
@@ -59,10 +57,13 @@ PAPER = {"gspo_clip_frac": 0.15, "grpo_clip_frac": 0.0013, "routing_drift": 0.10
 
 # ---- run -------------------------------------------------------------------------------------------------
 
-def run_one(run_dir: Path, overrides: list[str], env: dict) -> float:
-    """One ``gspo-megatron train`` run; returns its wall time in seconds. A failure stops everything."""
+def run_one(run_dir: Path, overrides: list[str], env: dict, init_from: Path | None = None) -> float:
+    """One ``gspo-megatron train`` run (``--resume``: a run cut short continues from its newest checkpoint,
+    or starts again where it has none); returns its wall time in seconds. A failure stops everything."""
     cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(CONFIG), "--run-dir", str(run_dir),
-           *overrides]
+           "--resume", *overrides]
+    if init_from is not None:
+        cmd += ["--init-from", str(init_from)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -75,20 +76,46 @@ def read_run(run_dir: Path) -> dict:
     return {"steps": [r["step"] for r in records], **{k: [r.get(k) for r in records] for k in KEYS}}
 
 
+def _seed_overrides(seed: int) -> list[str]:
+    return [f"train.seed={seed}", f"model.init_seed={1234 + seed}"]
+
+
 def run(scale: str, out: Path, results: Path, arms: list[str], seeds: int | None, extra: list[str]) -> dict:
+    """Per seed, one warm start (``train.steps=0``: supervised stage, evaluation, checkpoint at step 0) that
+    every arm of that seed starts from (``--init-from``): the arms differ only in the RL algorithm. The
+    results file is rewritten after every run, and a run already in it (same settings) is not run again,
+    so an interrupted ``run`` continues where it stopped."""
+    from rich.progress import Progress
+
     settings = SCALES[scale]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     data = {"scale": scale, "config": str(CONFIG.relative_to(REPO)), "overrides": settings["overrides"] + extra,
-            "arms": {a: ARMS[a] for a in arms}, "runs": {}}
-    for arm in arms:
-        for seed in range(seeds or settings["seeds"]):
-            run_dir = out / arm / f"seed{seed}"
-            overrides = ARMS[arm] + settings["overrides"] + extra + [f"train.seed={seed}",
-                                                                     f"model.init_seed={1234 + seed}"]
-            wall = run_one(run_dir, overrides, env)
-            data["runs"].setdefault(arm, {})[str(seed)] = {"wall_s": wall, **read_run(run_dir)}
-            print(f"{arm} seed {seed}: {wall:.0f} s", flush=True)
-    _write_json(results, data)
+            "arms": {a: ARMS[a] for a in arms}, "warm_start": {}, "runs": {}}
+    if results.is_file():
+        done = json.loads(results.read_text())
+        if all(done.get(k) == data[k] for k in ("scale", "config", "overrides")):
+            data["warm_start"], data["runs"] = done.get("warm_start", {}), {a: r for a, r in done["runs"].items()
+                                                                            if a in arms}
+    n_seeds = seeds or settings["seeds"]
+    common = settings["overrides"] + extra
+    with Progress() as progress:
+        task = progress.add_task(f"{scale}: warm starts + runs", total=n_seeds * (len(arms) + 1))
+        for seed in range(n_seeds):
+            warm_dir = out / "warm_start" / f"seed{seed}"
+            if str(seed) not in data["warm_start"]:
+                wall = run_one(warm_dir, common + _seed_overrides(seed) + ["train.steps=0"], env)
+                data["warm_start"][str(seed)] = {"wall_s": wall, **read_run(warm_dir)}
+                _write_json(results, data)
+            progress.advance(task)
+            init = warm_dir / "checkpoints" / "step_000000"
+            for arm in arms:
+                if str(seed) not in data["runs"].get(arm, {}):
+                    run_dir = out / arm / f"seed{seed}"
+                    wall = run_one(run_dir, ARMS[arm] + common + _seed_overrides(seed), env, init_from=init)
+                    data["runs"].setdefault(arm, {})[str(seed)] = {"wall_s": wall, **read_run(run_dir)}
+                    _write_json(results, data)
+                    progress.console.print(f"{arm} seed {seed}: {wall:.0f} s")
+                progress.advance(task)
     return data
 
 
@@ -121,6 +148,9 @@ def summarise(data: dict) -> dict[str, dict]:
         per_seed = {
             "eval_start": [_values(r, "eval_accuracy", 0)[0] for r in runs.values()],
             "eval_end": [_values(r, "eval_accuracy", 0)[-1] for r in runs.values()],
+            # paired by seed (every arm of a seed starts from the same warm start): the warm starts differ
+            # far more between seeds than the arms do
+            "eval_gain": [_values(r, "eval_accuracy", 0)[-1] - _values(r, "eval_accuracy", 0)[0] for r in runs.values()],
             "reward_last_quarter": [_mean(_values(r, "reward_mean", max(1, 3 * max(r["steps"]) // 4)))
                                     for r in runs.values()],
             **{k: [_mean(_values(r, k)) for r in runs.values()]
@@ -131,6 +161,24 @@ def summarise(data: dict) -> dict[str, dict]:
         out[arm] = {k: _spread(v) for k, v in per_seed.items()} | {"seeds": len(runs), "steps": max(
             max(r["steps"]) for r in runs.values())}
     return out
+
+
+def _same_steps(data: dict, a: str, b: str) -> str:
+    """Per seed, how many RL steps arms ``a`` and ``b`` ran with identical train rewards (identical
+    responses) before the first difference, and the largest relative grad-norm difference over those
+    steps. Float rounding in a different but equivalent computation flips a sampled token sooner or later,
+    after which the runs part."""
+    parts = []
+    for seed, run in sorted(data["runs"][a].items()):
+        other = data["runs"][b].get(seed)
+        if other is None:
+            continue
+        pairs = [(x, y, gx, gy) for step, x, y, gx, gy in zip(run["steps"], run["reward_mean"], other["reward_mean"],
+                                                             run["grad_norm"], other["grad_norm"]) if step > 0]
+        same = next((i for i, (x, y, _, _) in enumerate(pairs) if x != y), len(pairs))
+        gap = max((abs(gx - gy) / max(abs(gy), 1e-12) for _, _, gx, gy in pairs[:same]), default=float("nan"))
+        parts.append(f"seed {seed}: {same}/{len(pairs)} steps" + (f" (grad norms within {gap:.0e})" if same else ""))
+    return "identical rewards for " + "; ".join(parts)
 
 
 def _fmt(pair: tuple[float, float], digits: int = 3) -> str:
@@ -144,7 +192,7 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.0f}x" if b > 0 and math.isfinite(a) else "n/a (GRPO clipped nothing)"
 
 
-def doc_block(data: dict, summary: dict, figures_rel: str, estimate: dict | None = None) -> str:
+def doc_block(data: dict, summary: dict, figures_rel: str) -> str:
     arms = list(summary)
     seeds = {summary[a]["seeds"] for a in arms}
     lines = [BEGIN, "",
@@ -152,19 +200,21 @@ def doc_block(data: dict, summary: dict, figures_rel: str, estimate: dict | None
              f"(scale `{data['scale']}`, {'/'.join(map(str, sorted(seeds)))} seed(s) per arm, "
              f"{max(summary[a]['steps'] for a in arms)} RL steps; overrides: `{' '.join(data['overrides']) or 'none'}`). "
              "Means over seeds ± sample std; per-step means over all RL steps unless stated.", ""]
-    if estimate is not None:
-        lines += [f"Full run ({estimate['arms']} arms x {estimate['seeds']} seeds, {estimate['sft_steps']} warm-start + "
-                  f"{estimate['rl_steps']} RL steps) estimated from the probe of {', '.join(estimate['probed_arms'])} "
-                  f"(`{ESTIMATE.relative_to(REPO)}`): between {estimate['lower_h']:.1f} h (RL steps alone) and "
-                  f"{estimate['upper_h']:.1f} h (warm start, start-up and evaluations scaled up from the probe) on "
-                  "this shared 2-core machine, one run at a time.", ""]
+    warm = list(data["warm_start"].values())
+    total_s = sum(w["wall_s"] for w in warm) + sum(r["wall_s"] for runs in data["runs"].values() for r in runs.values())
+    lines += [f"Each seed's {len(arms)} arms start from one shared supervised warm start (held-out greedy accuracy "
+              f"after it: {_fmt(_spread([w['eval_accuracy'][0] for w in warm]))}). Wall time of the whole run on this "
+              f"2-core machine, one run at a time: {total_s / 3600:.2f} h ({len(warm)} warm starts, "
+              f"{sum(len(r) for r in data['runs'].values())} RL runs; a run resumed after an interruption counts only "
+              "its resumed part).", ""]
     lines += [
-             "| arm | eval acc. start -> end | reward (last quarter) | clipped-token fraction | mean per-sequence "
+             "| arm | eval acc. start -> end | eval change (paired by seed) | reward (last quarter) | clipped-token fraction | mean per-sequence "
              "clipped-token fraction | routing drift per expert (set rate) | log-prob gap | s / RL step |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for arm in arms:
         s = summary[arm]
-        lines.append(f"| {arm} | {_fmt(s['eval_start'])} -> {_fmt(s['eval_end'])} | {_fmt(s['reward_last_quarter'])} | "
+        lines.append(f"| {arm} | {_fmt(s['eval_start'])} -> {_fmt(s['eval_end'])} | {_fmt(s['eval_gain'])} | "
+                     f"{_fmt(s['reward_last_quarter'])} | "
                      f"{_fmt(s['clip_frac_token'])} | {_fmt(s['clip_frac_seq'])} | {_fmt(s['routing_drift'])} "
                      f"({_fmt(s['routing_drift_set'])}) | {_fmt(s['logprob_gap_mean'])} | {_fmt(s['time_step_s'])} |")
     lines.append("")
@@ -179,6 +229,13 @@ def doc_block(data: dict, summary: dict, figures_rel: str, estimate: dict | None
                   f"{_fmt(g['eval_end'])} vs {_fmt(r['eval_end'])} |",
                   f"| about 10% of activated experts change after one update (48-layer, 128-expert MoE) | "
                   f"~{PAPER['routing_drift']:.0%} | {drift} |"]
+        for a, b, claim, paper in (
+                ("gspo_token", "gspo", "GSPO-token with sequence-level advantages is GSPO (Eq. 13-17)", "identical"),
+                ("grpo_r3", "grpo_r2", "R3 (the engine's experts) vs R2 (the trainer's): the same routing here",
+                 "differ by the engine's numerics"),
+                ("grpo_r2", "grpo", "Routing Replay changes GRPO's run (control for the two rows above)", "yes")):
+            if a in summary and b in summary:
+                lines.append(f"| {claim} | {paper} | {a} vs {b}: {_same_steps(data, a, b)} |")
         replay = [a for a in ("grpo_r2", "grpo_r3") if a in summary]
         if replay:
             lines.append(f"| GRPO on MoE needs Routing Replay to converge | GRPO without replay collapses | eval end: "
@@ -191,8 +248,9 @@ def doc_block(data: dict, summary: dict, figures_rel: str, estimate: dict | None
 
 # ---- figures -----------------------------------------------------------------------------------------------
 
-FIGURE_NAMES = ("reward", "eval_accuracy", "clip_frac_token", "routing_drift", "logprob_gap_mean")
+FIGURE_NAMES = ("reward", "eval_accuracy", "eval_gain", "clip_frac_token", "routing_drift", "logprob_gap_mean")
 _TITLES = {"reward": ("reward_mean", "train reward"), "eval_accuracy": ("eval_accuracy", "held-out greedy accuracy"),
+           "eval_gain": ("eval_accuracy", "held-out greedy accuracy minus the seed's warm start (paired)"),
            "clip_frac_token": ("clip_frac_token", "clipped-token fraction"),
            "routing_drift": ("routing_drift", "activated experts changed by one update"),
            "logprob_gap_mean": ("logprob_gap_mean", "|log pi_old - log pi_rollout| per token")}
@@ -212,9 +270,10 @@ def draw_figures(data: dict, out_dir: Path) -> list[Path]:
         for arm, runs in data["runs"].items():
             by_step: dict[int, list[float]] = {}
             for r in runs.values():
+                offset = _values(r, key, 0)[0] if name == "eval_gain" else 0.0
                 for step, value in zip(r["steps"], r[key]):
                     if value is not None and math.isfinite(value) and (step > 0 or key == "eval_accuracy"):
-                        by_step.setdefault(step, []).append(value)
+                        by_step.setdefault(step, []).append(value - offset)
             steps = sorted(by_step)
             means = [_mean(by_step[s]) for s in steps]
             stds = [statistics.stdev(by_step[s]) if len(by_step[s]) > 1 else 0.0 for s in steps]
@@ -232,9 +291,8 @@ def draw_figures(data: dict, out_dir: Path) -> list[Path]:
     return written
 
 
-def report(results: Path, figures: Path, doc: Path, estimate: Path = ESTIMATE) -> dict:
+def report(results: Path, figures: Path, doc: Path) -> dict:
     data = json.loads(results.read_text())
-    estimated = json.loads(estimate.read_text()) if estimate.is_file() else None
     summary = summarise(data)
     draw_figures(data, figures)
     text = doc.read_text()
@@ -244,30 +302,9 @@ def report(results: Path, figures: Path, doc: Path, estimate: Path = ESTIMATE) -
     tail = rest.split(END, 1)[1]
     rel = os.path.relpath(figures, doc.parent)
     tmp = doc.with_name(doc.name + f".tmp.{os.getpid()}")
-    tmp.write_text(head + doc_block(data, summary, rel, estimated) + tail)
+    tmp.write_text(head + doc_block(data, summary, rel) + tail)
     os.replace(tmp, doc)
     return summary
-
-
-def estimate_full(probe: dict) -> dict:
-    """Bounds on the full run's wall time from a ``probe`` results file, per arm times the full run's seeds:
-    lower = the probe's time per RL step x the full run's RL steps (nothing else); upper = that plus the
-    probe's remaining time (start-up, 20 warm-start steps, two evaluations) scaled by full / probe
-    warm-start steps (an over-estimate: start-up and evaluations do not grow that much)."""
-    import yaml
-
-    config = yaml.safe_load(CONFIG.read_text())
-    steps, sft = config["train"]["steps"], config["sft"]["steps"]
-    lower = upper = 0.0
-    for runs in probe["runs"].values():
-        for r in runs.values():
-            step_s = _mean(_values(r, "time_step_s"))
-            rest = r["wall_s"] - sum(_values(r, "time_step_s"))
-            lower += SCALES["full"]["seeds"] * step_s * steps
-            upper += SCALES["full"]["seeds"] * (step_s * steps + rest * sft / 20)
-    scale = len(ARMS) / len(probe["runs"])  # arms not probed cost the probed arms' mean
-    return {"lower_h": lower * scale / 3600, "upper_h": upper * scale / 3600, "probed_arms": list(probe["runs"]),
-            "arms": len(ARMS), "seeds": SCALES["full"]["seeds"], "rl_steps": steps, "sft_steps": sft}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -284,19 +321,11 @@ def main(argv: list[str] | None = None) -> None:
     p_rep.add_argument("--results", type=Path, default=RESULTS)
     p_rep.add_argument("--figures", type=Path, default=FIGURES)
     p_rep.add_argument("--doc", type=Path, default=DOC)
-    p_rep.add_argument("--estimate", type=Path, default=ESTIMATE, help="included when the file exists")
-    p_est = sub.add_parser("estimate", help="the full run's wall time from a probe results file")
-    p_est.add_argument("--results", type=Path, required=True)
-    p_est.add_argument("--out", type=Path, default=ESTIMATE)
     args = parser.parse_args(argv)
     if args.command == "run":
         run(args.scale, args.out, args.results, args.arms, args.seeds, args.overrides)
-    elif args.command == "report":
-        print(json.dumps(report(args.results, args.figures, args.doc, args.estimate), indent=1))
     else:
-        estimate = estimate_full(json.loads(args.results.read_text()))
-        _write_json(args.out, estimate)
-        print(json.dumps(estimate, indent=1))
+        print(json.dumps(report(args.results, args.figures, args.doc), indent=1))
 
 
 if __name__ == "__main__":

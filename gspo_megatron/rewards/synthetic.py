@@ -40,7 +40,7 @@ SORT_LEVELS = {1: (3, 9), 2: (4, 9), 3: (5, 99), 4: (6, 99), 5: (8, 999)}
 # difficulty -> (how many numbers, largest number, operators)
 COUNTDOWN_LEVELS = {1: (2, 9, "+"), 2: (3, 9, "+-"), 3: (3, 9, "+-*"), 4: (4, 12, "+-*"), 5: (4, 25, "+-*")}
 # difficulty -> (steps, largest operand, operators); values stay in [0, 999]
-CHAIN_LEVELS = {1: (4, 9, "+-"), 2: (5, 9, "+-*"), 3: (6, 9, "+-*"), 4: (7, 12, "+-*"), 5: (8, 19, "+-*")}
+CHAIN_LEVELS = {1: (4, 9, "+-"), 2: (6, 9, "+-"), 3: (6, 9, "+-*"), 4: (7, 12, "+-*"), 5: (8, 19, "+-*")}
 _LEVELS = {"arithmetic": ARITHMETIC_LEVELS, "sort": SORT_LEVELS, "countdown": COUNTDOWN_LEVELS, "chain": CHAIN_LEVELS}
 _STOP_MARKERS = ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>")
 

@@ -27,9 +27,8 @@ def _block(text, driver):
 def test_shipped_docs_block_is_generated_from_the_shipped_results():
     driver = _driver()
     data = json.loads(driver.RESULTS.read_text())
-    estimate = json.loads(driver.ESTIMATE.read_text()) if driver.ESTIMATE.is_file() else None
     rel = "figures/gspo_vs_grpo"
-    expected = driver.doc_block(data, driver.summarise(data), rel, estimate)
+    expected = driver.doc_block(data, driver.summarise(data), rel)
     assert _block(driver.DOC.read_text(), driver) == expected
     for name in driver.FIGURE_NAMES:
         assert (driver.FIGURES / f"{name}.png").is_file()
@@ -42,18 +41,27 @@ def test_ci_scale_runs_every_arm_and_reports(tmp_path):
     data = driver.run("ci", tmp_path / "runs", results, list(driver.ARMS), None, [])
     assert json.loads(results.read_text()) == json.loads(json.dumps(data))
     assert sorted(data["runs"]) == sorted(driver.ARMS)
+    warm = data["warm_start"]["0"]
+    assert warm["steps"] == [0] and warm["eval_accuracy"][0] is not None
     for arm, runs in data["runs"].items():
         run = runs["0"]
         assert run["steps"] == [0, 1, 2], arm
+        # every arm starts from the seed's one warm start: the same weights, the same greedy evaluation
+        assert run["eval_accuracy"][0] == warm["eval_accuracy"][0], arm
         assert run["eval_accuracy"][0] is not None and run["eval_accuracy"][2] is not None
         assert all(run[k][1] is not None for k in ("reward_mean", "clip_frac_token", "routing_drift",
                                                     "routing_drift_set", "logprob_gap_mean")), arm
         assert run["response_length_mean"][1] > 1
     doc = tmp_path / "training.md"
     doc.write_text(f"before\n{driver.BEGIN}\nold\n{driver.END}\nafter\n")
-    summary = driver.report(results, tmp_path / "figures", doc, estimate=tmp_path / "none.json")
+    summary = driver.report(results, tmp_path / "figures", doc)
     text = doc.read_text()
     assert text.startswith("before\n") and text.endswith("\nafter\n") and "\nold\n" not in text
     for arm in driver.ARMS:
         assert f"| {arm} | {driver._fmt(summary[arm]['eval_start'])} -> " in text
     assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == sorted(f"{n}.png" for n in driver.FIGURE_NAMES)
+
+    # an interrupted run continues: what the results file holds is not run again
+    (tmp_path / "runs" / "gspo" / "seed0" / "metrics.jsonl").unlink()
+    again = driver.run("ci", tmp_path / "runs", results, list(driver.ARMS), None, [])
+    assert again == data
