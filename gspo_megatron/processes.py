@@ -40,6 +40,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 STARTED_BY = os.getppid()
 _fork_hook_installed = False
 _forking_thread_is_main = True
+_forking_pid = 0
 
 
 def pid_running(pid: int) -> bool:
@@ -69,15 +70,17 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def _before_fork() -> None:
-    global _forking_thread_is_main
+    global _forking_thread_is_main, _forking_pid
     _forking_thread_is_main = threading.current_thread() is threading.main_thread()
+    _forking_pid = os.getpid()
 
 
 def _after_fork_in_child() -> None:
     # The death signal follows the forking *thread*: a child forked from a short-lived helper thread
-    # would be killed when that thread ends, so only children of the main thread get it.
+    # would be killed when that thread ends, so only children of the main thread get it. A parent killed
+    # between the fork and this hook never triggers the signal: die_with_parent checks for that.
     if _forking_thread_is_main:
-        set_parent_death_signal()
+        die_with_parent(_forking_pid)
 
 
 def kill_forked_children_with_parent() -> None:

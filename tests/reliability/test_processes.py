@@ -51,6 +51,27 @@ def test_forked_children_die_with_parent():
     _sigkill_and_check(proc, tag)
 
 
+def test_forked_child_dies_when_its_parent_dies_before_the_fork_hook_runs():
+    """The race a loaded machine hits: the parent is killed after fork() but before the child has set its
+    death signal, so the kernel never sends it. A hook registered first holds the child back until the
+    parent has exited; the child must still go."""
+    proc, tag, _ = _run_parent("""
+        import os, time
+        os.register_at_fork(after_in_child=lambda: time.sleep(2))  # runs before the hook below
+        from gspo_megatron.processes import kill_forked_children_with_parent
+        kill_forked_children_with_parent()
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        print("forked", flush=True)
+        os._exit(0)  # the parent is gone before the child's hooks are done
+    """)
+    proc.wait()
+    left = wait_until_gone(tag, 15.0)
+    kill_tagged(tag)
+    assert not left, "a child forked just before its parent died outlived it:\n" + describe(left)
+
+
 def test_checkpoint_results_queue_manager_dies_with_rank():
     # Megatron's spawned results-queue manager (filesystem_async._results_queue) kept sockets open forever
     proc, tag, _ = _run_parent("""
