@@ -64,10 +64,6 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     config = load_config(args.config, args.overrides)  # validated before any process group exists
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
     parallel.init_process_group(launch.rank, launch.world_size, launch.master_addr, launch.master_port)
-    if args.init_from is not None:
-        from gspo_megatron.megatron import checkpoint as ckpt
-
-        ckpt.verify(args.init_from)  # names the checkpoint and what is missing before anything is built
     trainer = Trainer(config, run_dir, resume=args.resume, init_checkpoint=args.init_from)
     try:
         trainer.run()

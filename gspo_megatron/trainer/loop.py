@@ -33,7 +33,7 @@ from gspo_megatron.megatron.parallel import initialize_model_parallel
 from gspo_megatron.batching import TrainSequence, iter_minibatches, split_for_data_parallel
 from gspo_megatron.megatron.policy_model import PolicyModel
 from gspo_megatron.rollout.base import SamplingParams
-from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, overlap_timing, staleness
+from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, overlap_timing, staleness, trainer_threads
 from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
 from gspo_megatron.trainer.run_dir import claim as claim_run_dir
 from gspo_megatron.trainer.run_dir import on_main_rank
@@ -87,8 +87,8 @@ class Trainer:
         self.ahead = RolloutAhead(config.train.max_staleness) if overlap else None
         if overlap:
             # the engine process takes its own cores (rollout/process_engine.py)
-            torch.set_num_threads(config.train.trainer_threads
-                                  or max(1, torch.get_num_threads() - config.rollout.engine_threads))
+            torch.set_num_threads(trainer_threads(torch.get_num_threads(), config.rollout.engine_threads,
+                                                  config.train.trainer_threads))
         self.engine = self._build_engine()
         self.train_data, self.eval_data = load_prompt_datasets(config.data, self.tokenizer)
         self.prompts = PromptIterator(self.train_data, config.train.prompts_per_step, seed=config.data.seed,
@@ -103,6 +103,7 @@ class Trainer:
         if latest is not None:
             self.load_checkpoint(latest)
         elif init_checkpoint is not None:
+            ckpt.verify(init_checkpoint)  # a missing or cut checkpoint is named, not a DCP traceback
             self.load_checkpoint(Path(init_checkpoint), restore_progress=False)
         else:
             self._initialise_weights()

@@ -54,6 +54,12 @@ class InFlight:
         self.samples, self.generate_s, self.request_id = answer.samples, answer.generate_s, None
 
 
+def trainer_threads(process_threads: int, engine_threads: int, configured: int) -> int:
+    """Torch threads of a trainer process in overlap mode: ``train.trainer_threads`` when set (> 0), else
+    the process's share of the cores less the engine process's threads, at least one."""
+    return configured or max(1, process_threads - engine_threads)
+
+
 def overlap_timing(flight: InFlight) -> dict[str, float]:
     """How much of a batch's generation ran while the trainer worked: the engine's seconds, the trainer's
     wait, and the hidden fraction 1 - wait / generation (1: fully overlapped, 0: the trainer waited it all)."""

@@ -13,7 +13,7 @@ import torch
 
 from gspo_megatron.rollout.base import Sample, SamplingParams
 from gspo_megatron.trainer.overlap import (InFlight, RolloutAhead, overlap_timing, sample_from_dict, sample_to_dict,
-                                           staleness)
+                                           staleness, trainer_threads)
 from tests.trainer.test_train_e2e import DEMO, REPO, kill_after_checkpoint, train
 
 
@@ -66,6 +66,13 @@ def test_overlap_timing_reports_the_hidden_fraction_of_generation():
     flight.waited_s = 3.0  # waited longer than it generated (queued behind another request): nothing hidden
     assert overlap_timing(flight)["overlap_hidden_frac"] == 0.0
     assert overlap_timing(InFlight(step=0, prompts=[], version=1, samples=[])) == {}
+
+
+def test_trainer_threads_leave_the_engine_its_cores_unless_set():
+    assert trainer_threads(2, 1, 0) == 1   # the engine process takes one of the two cores
+    assert trainer_threads(1, 1, 0) == 1   # never fewer than one
+    assert trainer_threads(8, 2, 0) == 6
+    assert trainer_threads(2, 1, 2) == 2   # train.trainer_threads wins (oversubscribe on purpose)
 
 
 def test_samples_survive_the_checkpoint_format():
