@@ -46,12 +46,13 @@ class GenerationResult:
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
     """How the child builds its engine: ``HFRolloutEngine(hf_config, init_seed=..., max_batch_rows=...)``
-    with ``threads`` torch threads."""
+    with ``threads`` torch threads, ``nice`` added to its scheduling niceness (``os.nice``)."""
 
     hf_config: object
     init_seed: int | None = None
     max_batch_rows: int = 256
     threads: int = 1
+    nice: int = 0
 
 
 def _child_main(conn, spec: EngineSpec, parent_pid: int) -> None:
@@ -59,6 +60,7 @@ def _child_main(conn, spec: EngineSpec, parent_pid: int) -> None:
 
     die_with_parent(parent_pid)
     torch.set_num_threads(spec.threads)
+    os.nice(spec.nice)
     from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
     engine = HFRolloutEngine(spec.hf_config, init_seed=spec.init_seed, max_batch_rows=spec.max_batch_rows)

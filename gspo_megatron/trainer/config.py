@@ -64,6 +64,9 @@ class RolloutSection:
     top_k: int = 0
     logprobs_from: Literal["recompute", "engine"] = "recompute"
     engine_threads: int = 1  # torch threads of the engine process (train.rollout_mode: overlap)
+    # niceness added to the engine process (overlap): the trainer is the critical path, so the engine takes a
+    # core only when the trainer leaves it idle (its serial Python between parallel ops); 0: equal priority
+    engine_nice: int = 19
     sglang: SGLangConfig | None = None  # required with engine: sglang
 
     def validate(self, path: str) -> None:
@@ -73,6 +76,7 @@ class RolloutSection:
         check(self.temperature > 0, f"{path}.temperature", "must be > 0 for RL sampling")
         check(0 < self.top_p <= 1, f"{path}.top_p", "must be in (0, 1]")
         check(self.engine_threads >= 1, f"{path}.engine_threads", f"must be >= 1, got {self.engine_threads}")
+        check(0 <= self.engine_nice <= 19, f"{path}.engine_nice", f"must be in 0..19, got {self.engine_nice}")
         check(self.engine != "sglang" or self.sglang is not None, f"{path}.sglang",
               "required with engine: sglang (urls of running servers, or launch settings)")
 

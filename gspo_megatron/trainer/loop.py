@@ -143,7 +143,8 @@ class Trainer:
             from gspo_megatron.rollout.process_engine import EngineSpec, ProcessRolloutEngine
 
             return ProcessRolloutEngine(EngineSpec(self.model_config.to_hf_config(), init_seed=self.config.model.init_seed,
-                                                   threads=self.config.rollout.engine_threads))
+                                                   threads=self.config.rollout.engine_threads,
+                                                   nice=self.config.rollout.engine_nice))
         if self.config.rollout.engine == "hf":
             from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 

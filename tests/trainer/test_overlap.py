@@ -133,6 +133,31 @@ def test_engine_process_applies_updates_and_generations_in_order():
     assert not engine.healthy()
 
 
+@pytest.mark.timeout(240)
+def test_engine_process_runs_at_the_configured_lower_priority():
+    """``rollout.engine_nice`` reaches the child: it yields the cores to the trainer when both want them."""
+    import dataclasses
+
+    from gspo_megatron.rollout.process_engine import ProcessRolloutEngine
+    from gspo_megatron.trainer.config import RolloutSection
+
+    assert RolloutSection().engine_nice == 19
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    engine = ProcessRolloutEngine(dataclasses.replace(_tiny_engine_spec(), nice=5))
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, engine._process.pid) == min(19, own + 5)
+    finally:
+        engine.shutdown()
+
+
+def test_engine_nice_out_of_range_is_named():
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.typed_config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout\.engine_nice: must be in 0\.\.19, got 20"):
+        load_config(DEMO, ["rollout.engine_nice=20"])
+
+
 def test_engine_process_dies_with_its_parent(tmp_path):
     """SIGKILL the process that owns the engine: the engine process goes too."""
     script = tmp_path / "owner.py"
