@@ -81,6 +81,7 @@ def collate(seqs: Sequence[TrainSequence], pad_multiple: int = 1, pad_id: int = 
 
     ``rows`` / ``min_len`` pad the batch to at least that many rows / positions (padding rows have an
     all-False loss mask). Returns input_ids, position_ids, labels [b, s] int64; loss_mask [b, s] bool;
+    padding_mask [b, s] bool (True past each sequence's end and on padding rows, Megatron's convention);
     advantages [b] (or token_advantages [b, s]); old/ref/rollout_logprobs [b, s] when every sequence
     has them.
     """
@@ -91,6 +92,7 @@ def collate(seqs: Sequence[TrainSequence], pad_multiple: int = 1, pad_id: int = 
         "input_ids": torch.full((b, s), pad_id, dtype=torch.long),
         "labels": torch.full((b, s), pad_id, dtype=torch.long),
         "loss_mask": torch.zeros((b, s), dtype=torch.bool),
+        "padding_mask": torch.ones((b, s), dtype=torch.bool),
         "position_ids": torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
     }
     fields = present_fields(seqs) if fields is None else fields
@@ -109,6 +111,7 @@ def collate(seqs: Sequence[TrainSequence], pad_multiple: int = 1, pad_id: int = 
         out["labels"][:n][position < length - 1] = torch.cat([q.tokens[1:] for q in seqs])
         response = (position >= start) & (position < length - 1)
         out["loss_mask"][:n] = response
+        out["padding_mask"][:n] = position >= length
         for name, tensor in per_token.items():
             values = [getattr(q, name) for q in seqs]
             bad = [i for i, (q, v) in enumerate(zip(seqs, values)) if v.numel() != q.response_len]

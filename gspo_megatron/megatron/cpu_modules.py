@@ -13,6 +13,8 @@ local spec through Megatron's spec seam; the GPU (Transformer Engine) spec does 
 - ``SDPAttention``: ``torch.nn.functional.scaled_dot_product_attention`` as the core attention.
 - ``FunctionalSequentialMLP``: the experts as direct ``torch.nn.functional.linear`` calls on each local
   expert's own weights (one Python frame per expert instead of a dozen).
+- ``PaddingFreeMoELayer``: padded positions are routed to no expert, so the experts compute only real tokens
+  (a right-padded RL batch is often a quarter padding). Real tokens get exactly the parent's result.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 _THIS = "gspo_megatron/megatron/cpu_modules.py"
 
@@ -217,6 +220,44 @@ class FunctionalSequentialMLP(SequentialMLP):
         outputs = [expert_mlp(t, p, e.linear_fc1.weight, e.linear_fc2.weight, activation, gated)
                    for e, t, p in zip(experts, tokens, probs)]
         return torch.cat(outputs, dim=0), None
+
+
+def sequence_parallel_slice(mask: torch.Tensor, local_len: int, tp_group) -> torch.Tensor:
+    """This tensor-parallel rank's rows of a whole-sequence ``mask`` [s, b] under sequence parallelism (the
+    contiguous chunk ``rank * local_len`` on). megatron-core 0.16.1 and 0.19.2 scatter ``GPTModel``'s padding
+    mask only on the first pipeline stage, so later stages' MoE layers receive it whole."""
+    if mask.shape[0] != local_len * tp_group.size():
+        raise ValueError(f"{_THIS}: padding_mask covers {mask.shape[0]} positions; the MoE layer holds "
+                         f"{local_len} per rank of a {tp_group.size()}-rank tensor-parallel group")
+    start = tp_group.rank() * local_len
+    return mask[start:start + local_len]
+
+
+class PaddingFreeMoELayer(MoELayer):
+    """Megatron's ``MoELayer`` that sends padded tokens to no expert.
+
+    ``GPTModel.forward(..., padding_mask=...)`` ([b, s] bool, True = padding: the convention of Megatron's
+    code, whose docstrings say the opposite) reaches every MoE layer; the parent would hand it to the router
+    and still dispatch every token. Here the router routes every token as without a mask, then the padded
+    rows of the routing map are cleared, so the dispatcher permutes only real tokens and returns zeros for
+    the padded ones. A real token's output is unchanged: experts act
+    per token, and with right padding and a causal mask no real token attends to a padded one, so what
+    padded positions hold never reaches the loss. The router's outputs (what ``megatron/routing.py``
+    records and replays) are untouched; shared experts still see every token.
+    """
+
+    def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """hidden [s, b, h], padding_mask [s, b] (the parent's forward transposed it) -> probs, routing map
+        [s * b, experts] with the padded rows empty."""
+        if padding_mask is not None and padding_mask.shape[0] != hidden_states.shape[0]:
+            padding_mask = sequence_parallel_slice(padding_mask, hidden_states.shape[0], self.attn_tp_group)
+        # the router is not given the mask: megatron-core 0.16.1's expert-bias count (DeepSeek-V3, GLM-4.5)
+        # then broadcasts [tokens, experts] & [tokens] and fails; aux / z losses and bias counts stay as before
+        probs, routing_map = super().route(hidden_states, None)
+        if padding_mask is None:
+            return probs, routing_map
+        real = ~padding_mask.reshape(-1, 1)
+        return probs * real, routing_map & real
 
 
 class _AbsentTELinear:

@@ -232,15 +232,16 @@ def local_layer_spec(model: ModelConfig, fast_modules: bool = True, moe: bool | 
     """One decoder layer of Megatron's local (non-TE) spec for ``model``, as used on CPU.
 
     Every norm slot holds the sequence-parallel-capable RMSNorm (``cpu_runtime``). With ``fast_modules``
-    the core attention is ``cpu_modules.SDPAttention`` and the experts ``cpu_modules.FunctionalSequentialMLP``:
-    subclasses of Megatron's ``DotProductAttention`` / ``SequentialMLP`` with the same parameters and state
-    dict and a cheaper forward (``docs/cpu-runtime.md``). ``fast_modules=False`` keeps Megatron's own
+    the core attention is ``cpu_modules.SDPAttention``, the experts ``cpu_modules.FunctionalSequentialMLP`` and
+    the MoE layer ``cpu_modules.PaddingFreeMoELayer``: subclasses of Megatron's ``DotProductAttention`` /
+    ``SequentialMLP`` / ``MoELayer`` with the same parameters and state dict and a cheaper forward (``docs/cpu-runtime.md``). ``fast_modules=False`` keeps Megatron's own
     modules (the reference in tests and benchmarks). ``moe`` picks the MoE or the dense-MLP layer (default:
     the model's kind; models with ``first_dense_layers`` have both).
     """
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from gspo_megatron.megatron import cpu_modules
@@ -255,6 +256,7 @@ def local_layer_spec(model: ModelConfig, fast_modules: bool = True, moe: bool | 
     if fast_modules:
         spec = _replace_in_spec(spec, DotProductAttention, cpu_modules.SDPAttention)
         spec = _replace_in_spec(spec, SequentialMLP, cpu_modules.FunctionalSequentialMLP)
+        spec = _replace_in_spec(spec, MoELayer, cpu_modules.PaddingFreeMoELayer)
     return spec
 
 

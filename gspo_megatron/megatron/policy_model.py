@@ -310,12 +310,14 @@ class PolicyModel:
         """One micro-batch (on the compute device: ``device.to_device``) through ``model`` (the chunk the
         schedule hands ``forward_step``); with Routing Replay its experts are queued first, right before the
         routers run. Transformer Engine's causal attention implies the mask (its ``attn_mask_type`` causal
-        ignores ``attention_mask``), so only the local spec gets an [1, 1, s, s] one."""
+        ignores ``attention_mask``), so only the local spec gets an [1, 1, s, s] one, and its padding mask."""
         if router_replay is not None:
             router_replay.set_microbatch(mb["routed_experts"], model)
         ids = mb["input_ids"]
-        mask = None if self.layer_spec == "te" else causal_mask(ids.shape[1], ids.device)
-        return model(ids, mb["position_ids"], mask)
+        if self.layer_spec == "te":
+            return model(ids, mb["position_ids"], None)
+        # the local spec's MoE layers route padded positions to no expert (cpu_modules.PaddingFreeMoELayer)
+        return model(ids, mb["position_ids"], causal_mask(ids.shape[1], ids.device), padding_mask=mb["padding_mask"])
 
     @property
     def _runner(self) -> torch.nn.Module:

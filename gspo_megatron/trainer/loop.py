@@ -215,6 +215,12 @@ class Trainer:
         samples = self._generate([p.prompt_ids for p in mine], samples_per_prompt, params)
         return self._score_and_gather(mine, samples, samples_per_prompt)
 
+    def _rl_sampling(self, step: int) -> dict:
+        """How the RL batch of ``step`` is sampled, in sync and overlap mode alike (``rollout``'s arguments)."""
+        cfg = self.config
+        return {"seed": step_seed(cfg.train.seed, step, 1), "temperature": cfg.rollout.temperature,
+                "max_new_tokens": cfg.rollout.max_new_tokens, "routed_experts": cfg.train.routing_replay == "r3"}
+
     def _sampling(self, prompts, seed: int, temperature: float, max_new_tokens: int,
                   routed_experts: bool) -> tuple[list, SamplingParams]:
         """This DP rank's share of ``prompts`` and its sampling parameters (``prompt_offset``: the global
@@ -290,9 +296,7 @@ class Trainer:
 
     # ---- overlapped rollouts (train.rollout_mode: overlap; trainer/overlap.py) ---------------------
     def _flight_sampling(self, flight: InFlight) -> tuple[list, SamplingParams]:
-        cfg = self.config
-        return self._sampling(flight.prompts, step_seed(cfg.train.seed, flight.step, 1), cfg.rollout.temperature,
-                              cfg.rollout.max_new_tokens, routed_experts=cfg.train.routing_replay == "r3")
+        return self._sampling(flight.prompts, **self._rl_sampling(flight.step))
 
     def _submit(self, flight: InFlight) -> int | None:
         mine, params = self._flight_sampling(flight)
@@ -337,9 +341,7 @@ class Trainer:
         # 1-2. rollout and rewards
         replay = cfg.train.routing_replay  # off | r2 (old-policy forward's experts) | r3 (the engine's)
         if self.ahead is None:
-            batch, reward_metrics = self.rollout(next(self.prompts), step_seed(cfg.train.seed, self.step, 1), G,
-                                                 cfg.rollout.temperature, cfg.rollout.max_new_tokens,
-                                                 routed_experts=replay == "r3")
+            batch, reward_metrics = self.rollout(next(self.prompts), samples_per_prompt=G, **self._rl_sampling(self.step))
             age, timing = 0, {}
         else:
             batch, reward_metrics, age, timing = self._rollout_ahead()
@@ -426,17 +428,21 @@ class Trainer:
         mini-batch metrics, drift metrics).
 
         Routing drift, the paper's statistic (section 5.3: the activated experts of the same rollout that
-        change after one gradient update): mini-batch 1 is routed freely by the same no-grad forward (the
-        same call, hence identical micro-batch shapes) before the first update and after it, whatever the
-        replay mode; two extra forwards of one mini-batch."""
+        change after one gradient update), on mini-batch 1: routed freely by a no-grad forward before the
+        first update, and after it by its own update forward (same micro-batches, same kernels: a forward
+        that changes no weight reads exactly zero, tests/megatron/test_routing.py), so one extra forward.
+        Under Routing Replay the update forward is forced, so a second free no-grad forward reads "after"."""
         drift = self._measures_drift(shares)
         per_minibatch, drift_metrics, before = [], {}, None
         for k, share in enumerate(shares):
             if drift and k == 0:
                 before = self.policy.sequence_routing(shares[1], self._free_routing(shares[1]))
-            if drift and k == 1:
+            if drift and k == 1 and replay != "off":
                 drift_metrics = self.policy.routing_drift(share, before, self._free_routing(share))
-            per_minibatch.append(self.policy.train_minibatch(share, replay=replay != "off"))
+            with self.policy.routing_recorder(drift and k == 1 and replay == "off") as recorder:
+                per_minibatch.append(self.policy.train_minibatch(share, replay=replay != "off"))
+            if drift and k == 1 and replay == "off":
+                drift_metrics = self.policy.routing_drift(share, before, recorder)
         return per_minibatch, drift_metrics
 
     # ---- weights, evaluation, checkpoints --------------------------------------------------------

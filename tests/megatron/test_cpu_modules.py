@@ -117,8 +117,8 @@ def test_experts_fall_back_to_the_parent_forward_for_other_settings(single):
 # ---- whole model ---------------------------------------------------------------------------------------
 def test_new_spec_keeps_parameter_names_shapes_and_sharded_state_dict(single):
     m = single["model"]
-    assert m["new_types"] == ["SDPAttention", "FunctionalSequentialMLP"]
-    assert m["ref_types"] == ["DotProductAttention", "SequentialMLP"]
+    assert m["new_types"] == ["SDPAttention", "FunctionalSequentialMLP", "PaddingFreeMoELayer"]
+    assert m["ref_types"] == ["DotProductAttention", "SequentialMLP", "MoELayer"]
     assert m["new_state_dict"] == m["ref_state_dict"]
     assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight" in m["new_state_dict"]
     assert m["new_sharded_keys"] == m["ref_sharded_keys"]
@@ -134,6 +134,31 @@ def test_gpt_model_logits_and_ddp_grads_match_the_old_spec(single, mask):
         torch.testing.assert_close(run["new"]["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=name)
 
 
+def _check_right_padding(run, top_k: int, msg: str = "") -> int:
+    real = ~run["padding"]  # [b, s]
+    # logits [b, s, V/TP]: equal at every real position (padded ones hold whatever the residual stream gives)
+    new, ref = run["new"]["logits"][real], run["ref"]["logits"][real]
+    torch.testing.assert_close(new, ref, rtol=0, atol=1e-5, msg=msg)
+    for name, grad in run["ref"]["grads"].items():
+        torch.testing.assert_close(run["new"]["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=f"{msg} {name}")
+    return int(real.sum())
+
+
+def test_padded_positions_reach_no_expert_and_change_nothing_real(single):
+    """PaddingFreeMoELayer: with the padding mask the experts compute only real tokens (top_k per real token
+    per layer, against every token for Megatron's MoELayer), and logits at real positions and every
+    gradient of a loss over real positions equal Megatron's own layer's."""
+    from gspo_megatron.testing.models import tiny_moe_config
+
+    config = tiny_moe_config()
+    run = single["model"]["right_padding"]
+    real = _check_right_padding(run, config.moe_router_topk)
+    b, s = run["padding"].shape
+    assert 0 < real < b * s
+    assert run["new"]["expert_tokens"] == real * config.moe_router_topk * config.num_layers
+    assert run["ref"]["expert_tokens"] == b * s * config.moe_router_topk * config.num_layers
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ep2", "tp2_sp"])
 def test_parallel_layouts_match_the_old_spec(parallel, layout):
@@ -146,6 +171,7 @@ def test_parallel_layouts_match_the_old_spec(parallel, layout):
         for name, ref in run["ref"]["grads"].items():
             assert ref.abs().sum() > 0, name
             torch.testing.assert_close(run["new"]["grads"][name], ref, rtol=1e-4, atol=1e-7, msg=f"{layout} {name}")
+        _check_right_padding(run["right_padding"], tiny_moe_config().moe_router_topk, msg=f"{layout} right padding")
 
 
 # ======================================================================================================
@@ -324,8 +350,10 @@ def _expert_checks() -> dict:
     return out
 
 
-def _model_run(model_config, parallel_config, fast: bool, tokens, mask, weights) -> dict:
-    """Logits ([b, s, V/TP], this rank's) and full gradients (DDP main_grad) of a cross-entropy loss."""
+def _model_run(model_config, parallel_config, fast: bool, tokens, mask, weights, padding=None) -> dict:
+    """Logits ([b, s, V/TP], this rank's) and full gradients (DDP main_grad) of a cross-entropy loss; with
+    ``padding`` ([b, s] bool, True = padded) the model gets it as ``padding_mask`` and the loss skips those
+    positions. Also the tokens the experts of every layer computed, summed."""
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -339,16 +367,21 @@ def _model_run(model_config, parallel_config, fast: bool, tokens, mask, weights)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(inputs.shape[1]).expand_as(inputs)
     logits_out = []
+    expert_tokens = []
+    hooks = [layer.mlp.experts.register_forward_pre_hook(lambda m, args: expert_tokens.append(int(args[1].sum())))
+             for layer in model.decoder.layers]
+    kwargs = {} if padding is None else {"padding_mask": padding}
+    weight = torch.ones_like(labels, dtype=torch.float32) if padding is None else (~padding).float()
 
     def forward_step(data_iterator, chunk):
         next(data_iterator)
-        output = chunk(inputs, positions, mask)
+        output = chunk(inputs, positions, mask, **kwargs)
 
         def loss_func(logits):
             logits_out.append(logits.detach().clone())
             ce = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
                                                               labels.transpose(0, 1).contiguous())
-            loss = ce.sum() / labels.numel()
+            loss = (ce * weight.t()).sum() / weight.sum()
             return loss, {"loss": loss.detach()}
 
         return output, loss_func
@@ -356,7 +389,10 @@ def _model_run(model_config, parallel_config, fast: bool, tokens, mask, weights)
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([0]), model=[ddp],
                                 num_microbatches=1, seq_length=inputs.shape[1], micro_batch_size=inputs.shape[0],
                                 forward_only=False)
-    return {"logits": logits_out[0], "grads": sharding.full_state_dict(ddp, model_config.vocab_size, grads=True)}
+    for hook in hooks:
+        hook.remove()
+    return {"logits": logits_out[0], "grads": sharding.full_state_dict(ddp, model_config.vocab_size, grads=True),
+            "expert_tokens": sum(expert_tokens)}
 
 
 def _model_checks(model_config) -> dict:
@@ -369,7 +405,8 @@ def _model_checks(model_config) -> dict:
     for fast, tag in ((True, "new"), (False, "ref")):
         model = build_model(model_config, ParallelConfig(), fast_cpu_modules=fast)
         layer = model.decoder.layers[0]
-        out[f"{tag}_types"] = [type(layer.self_attention.core_attention).__name__, type(layer.mlp.experts).__name__]
+        out[f"{tag}_types"] = [type(layer.self_attention.core_attention).__name__, type(layer.mlp.experts).__name__,
+                               type(layer.mlp).__name__]
         out[f"{tag}_state_dict"] = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
                                     for k, v in model.state_dict().items()}
         out[f"{tag}_sharded_keys"] = sorted(model.sharded_state_dict(prefix="model.").keys())
@@ -382,7 +419,20 @@ def _model_checks(model_config) -> dict:
     for name, mask in (("causal", causal), ("padding", causal | is_pad[:, None, None, :])):
         out[name] = {tag: _model_run(model_config, ParallelConfig(), fast, tokens, mask, weights)
                      for fast, tag in ((True, "new"), (False, "ref"))}
+    out["right_padding"] = _right_padding_runs(model_config, ParallelConfig(), tokens, causal, weights)
     return out
+
+
+def right_padding(b: int, s: int) -> torch.Tensor:
+    """[b, s] True = padded: rows end after 12, 7, 3 (+ fully padded rows), as collate pads RL batches."""
+    ends = [12, 7, 3, 0, 9, 12][:b]
+    return torch.arange(s)[None, :] >= torch.tensor(ends + [s] * (b - len(ends)))[:, None]
+
+
+def _right_padding_runs(model_config, parallel_config, tokens, causal, weights) -> dict:
+    padding = right_padding(tokens.shape[0], tokens.shape[1] - 1)
+    return {"padding": padding, **{tag: _model_run(model_config, parallel_config, fast, tokens, causal, weights, padding)
+                                   for fast, tag in ((True, "new"), (False, "ref"))}}
 
 
 def single_process_checks(rank: int, world_size: int, model_config) -> dict:
@@ -411,5 +461,28 @@ def parallel_checks(rank: int, world_size: int, model_config) -> dict:
         initialize_model_parallel(layout, seed=0)
         out[name] = {tag: _model_run(model_config, layout, fast, tokens, causal, weights)
                      for fast, tag in ((True, "new"), (False, "ref"))}
+        out[name]["right_padding"] = _right_padding_runs(model_config, layout, tokens, causal, weights)
         out[name]["num_local_experts"] = model_config.num_experts // ps.get_expert_model_parallel_world_size()
     return out
+
+
+def test_a_whole_sequence_padding_mask_is_cut_to_this_ranks_chunk():
+    """Later pipeline stages get GPTModel's padding mask unscattered under sequence parallelism: each
+    tensor-parallel rank takes its contiguous chunk; a length that fits no chunking is named."""
+    from gspo_megatron.megatron.cpu_modules import sequence_parallel_slice
+
+    class Group:
+        def __init__(self, rank, size):
+            self._rank, self._size = rank, size
+
+        def rank(self):
+            return self._rank
+
+        def size(self):
+            return self._size
+
+    mask = torch.arange(12).reshape(6, 2) % 3 == 0
+    assert torch.equal(sequence_parallel_slice(mask, 3, Group(1, 2)), mask[3:6])
+    assert torch.equal(sequence_parallel_slice(mask, 2, Group(0, 3)), mask[0:2])
+    with pytest.raises(ValueError, match="padding_mask covers 6 positions"):
+        sequence_parallel_slice(mask, 4, Group(0, 2))

@@ -84,14 +84,18 @@ def placement_worker(rank, world_size, model_config, tmp):
     finally:
         pm.to_device = real
 
-    # the mask rule: the local spec gets [1, 1, s, s] on the batch's device, TE none (its causal type)
+    # the mask rule: the local spec gets [1, 1, s, s] and the batch's padding mask on the batch's device (its
+    # MoE layers skip padding), TE neither (its causal type; Megatron's own MoELayer)
     class Recorder(torch.nn.Module):
-        def forward(self, ids, positions, mask):
-            checked["masks"].append(None if mask is None else (tuple(mask.shape), mask.device.type))
+        def forward(self, ids, positions, mask, padding_mask=None):
+            checked["masks"].append((None if mask is None else (tuple(mask.shape), mask.device.type),
+                                     None if padding_mask is None else (tuple(padding_mask.shape),
+                                                                        padding_mask.device.type)))
             return ids
 
     mb = device.to_device({"input_ids": torch.zeros(2, 5, dtype=torch.long),
-                           "position_ids": torch.zeros(2, 5, dtype=torch.long)})
+                           "position_ids": torch.zeros(2, 5, dtype=torch.long),
+                           "padding_mask": torch.zeros(2, 5, dtype=torch.bool)})
     forward(Recorder(), mb)
     policy.layer_spec = "te"
     forward(Recorder(), mb)
@@ -111,8 +115,8 @@ def test_every_microbatch_tensor_reaches_the_model_through_to_device(placement):
 
 def test_te_spec_gets_no_square_mask(placement):
     local, te = placement["masks"]
-    assert local == ((1, 1, 5, 5), device.compute_device().type)
-    assert te is None
+    assert local == (((1, 1, 5, 5), device.compute_device().type), ((2, 5), device.compute_device().type))
+    assert te == (None, None)
 
 
 # ---- collectives ----------------------------------------------------------------------------------

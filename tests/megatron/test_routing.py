@@ -248,14 +248,23 @@ def _drift_controls(rank, world_size, model_config):
                 old = policy.compute_logprobs(seqs)
             return recorder, old
 
+        def update_routing():
+            # the trainer reads "after" from the next update's own forward (Trainer._update)
+            with policy.routing_recorder() as recorder:
+                policy.train_minibatch(seqs)
+            return recorder
+
         recorder, old = free_routing()
         before = policy.sequence_routing(seqs, recorder)
         if name == "lr0":
             out["same_forward_twice"] = policy.routing_drift(seqs, before, free_routing()[0])
         for q, o in zip(seqs, old):
             q.old_logprobs = o["logprobs"]
+        if name == "lr0":
+            out["update_forward"] = policy.routing_drift(seqs, before, update_routing())
         policy.train_minibatch(seqs)
         out[name] = policy.routing_drift(seqs, before, free_routing()[0])
+        out[f"{name}_from_update_forward"] = policy.routing_drift(seqs, before, update_routing())
     return out
 
 
@@ -267,7 +276,7 @@ def drift_controls():
 @pytest.mark.distributed
 def test_drift_controls_read_exactly_zero(drift_controls):
     for rank in range(2):
-        for control in ("same_forward_twice", "lr0"):
+        for control in ("same_forward_twice", "update_forward", "lr0", "lr0_from_update_forward"):
             metrics = drift_controls[rank][control]
             assert metrics["routing_drift"] == 0.0 and metrics["routing_drift_set"] == 0.0, (rank, control)
             assert set(metrics) >= {"routing_drift/layer0", "routing_drift_set/layer1"}
@@ -283,3 +292,12 @@ def test_drift_after_a_real_update_is_the_per_expert_rate(drift_controls):
     k = tiny_moe_config().moe_router_topk
     assert metrics["routing_drift_set"] / k <= metrics["routing_drift"] <= metrics["routing_drift_set"]
     assert drift_controls[1]["lr_real"] == metrics
+
+
+@pytest.mark.distributed
+def test_drift_read_from_the_update_forward_equals_a_free_forward(drift_controls):
+    """The trainer's "after" record is the next update's own forward: it routes exactly like a no-grad
+    forward of the same weights (EP=2, DP=2)."""
+    for rank in range(2):
+        assert drift_controls[rank]["lr_real_from_update_forward"] == drift_controls[rank]["lr_real"]
+        assert drift_controls[rank]["lr_real"]["routing_drift"] > 0
