@@ -260,6 +260,17 @@ class PaddingFreeMoELayer(MoELayer):
         return probs * real, routing_map & real
 
 
+def skip_padding_in_moe_layers(model: torch.nn.Module) -> int:
+    """Make every ``MoELayer`` of ``model`` a ``PaddingFreeMoELayer`` (returns how many). Done on the built
+    model, not through the layer spec: Megatron's ``TransformerLayer`` hands its process groups only to MLP
+    classes it knows by identity (a subclass in the spec is built with default groups and a warning). The
+    subclass adds no state, so the object keeps every attribute, parameter and hook it was built with."""
+    layers = [m for m in model.modules() if type(m) is MoELayer]
+    for layer in layers:
+        layer.__class__ = PaddingFreeMoELayer
+    return len(layers)
+
+
 class _AbsentTELinear:
     """Stands for Transformer Engine's TELinear where TE is not installed: a class nothing is an instance of."""
 

@@ -232,16 +232,15 @@ def local_layer_spec(model: ModelConfig, fast_modules: bool = True, moe: bool | 
     """One decoder layer of Megatron's local (non-TE) spec for ``model``, as used on CPU.
 
     Every norm slot holds the sequence-parallel-capable RMSNorm (``cpu_runtime``). With ``fast_modules``
-    the core attention is ``cpu_modules.SDPAttention``, the experts ``cpu_modules.FunctionalSequentialMLP`` and
-    the MoE layer ``cpu_modules.PaddingFreeMoELayer``: subclasses of Megatron's ``DotProductAttention`` /
-    ``SequentialMLP`` / ``MoELayer`` with the same parameters and state dict and a cheaper forward (``docs/cpu-runtime.md``). ``fast_modules=False`` keeps Megatron's own
+    the core attention is ``cpu_modules.SDPAttention`` and the experts ``cpu_modules.FunctionalSequentialMLP``:
+    subclasses of Megatron's ``DotProductAttention`` / ``SequentialMLP`` with the same parameters and state
+    dict and a cheaper forward (``build_model`` then makes the MoE layers ``cpu_modules.PaddingFreeMoELayer``) (``docs/cpu-runtime.md``). ``fast_modules=False`` keeps Megatron's own
     modules (the reference in tests and benchmarks). ``moe`` picks the MoE or the dense-MLP layer (default:
     the model's kind; models with ``first_dense_layers`` have both).
     """
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from gspo_megatron.megatron import cpu_modules
@@ -256,7 +255,6 @@ def local_layer_spec(model: ModelConfig, fast_modules: bool = True, moe: bool | 
     if fast_modules:
         spec = _replace_in_spec(spec, DotProductAttention, cpu_modules.SDPAttention)
         spec = _replace_in_spec(spec, SequentialMLP, cpu_modules.FunctionalSequentialMLP)
-        spec = _replace_in_spec(spec, MoELayer, cpu_modules.PaddingFreeMoELayer)
     return spec
 
 
@@ -363,6 +361,10 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: torc
         rope_scaling=model.rope_llama3_factor > 0,
         rope_scaling_factor=model.rope_llama3_factor or 8.0,
     )
+    if fast_cpu_modules and resolve_layer_spec(runtime.layer_spec if runtime else "auto") == "local":
+        from gspo_megatron.megatron import cpu_modules
+
+        cpu_modules.skip_padding_in_moe_layers(gpt)
     if torch.cuda.is_available():
         gpt = gpt.cuda()
     return gpt
