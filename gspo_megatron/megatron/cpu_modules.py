@@ -240,9 +240,9 @@ class PaddingFreeMoELayer(MoELayer):
     code, whose docstrings say the opposite) reaches every MoE layer; the parent would hand it to the router
     and still dispatch every token. Here the router routes every token as without a mask, then the padded
     rows of the routing map are cleared, so the dispatcher permutes only real tokens and returns zeros for
-    the padded ones. A real token's output is unchanged: experts act
-    per token, and with right padding and a causal mask no real token attends to a padded one, so what
-    padded positions hold never reaches the loss. The router's outputs (what ``megatron/routing.py``
+    the padded ones. A real token's output is unchanged: experts act per token, and with right padding
+    and a causal mask no real token attends to a padded one, so what padded positions hold never reaches
+    the loss. The router's outputs (what ``megatron/routing.py``
     records and replays) are untouched; shared experts still see every token.
     """
 

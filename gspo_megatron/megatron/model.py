@@ -234,8 +234,8 @@ def local_layer_spec(model: ModelConfig, fast_modules: bool = True, moe: bool | 
     Every norm slot holds the sequence-parallel-capable RMSNorm (``cpu_runtime``). With ``fast_modules``
     the core attention is ``cpu_modules.SDPAttention`` and the experts ``cpu_modules.FunctionalSequentialMLP``:
     subclasses of Megatron's ``DotProductAttention`` / ``SequentialMLP`` with the same parameters and state
-    dict and a cheaper forward (``build_model`` then makes the MoE layers ``cpu_modules.PaddingFreeMoELayer``) (``docs/cpu-runtime.md``). ``fast_modules=False`` keeps Megatron's own
-    modules (the reference in tests and benchmarks). ``moe`` picks the MoE or the dense-MLP layer (default:
+    dict and a cheaper forward; ``build_model`` then makes the MoE layers ``cpu_modules.PaddingFreeMoELayer``
+    (``docs/cpu-runtime.md``). ``fast_modules=False`` keeps Megatron's own modules (the reference in tests and benchmarks). ``moe`` picks the MoE or the dense-MLP layer (default:
     the model's kind; models with ``first_dense_layers`` have both).
     """
     from megatron.core.models.gpt import gpt_layer_specs
@@ -338,7 +338,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: torc
 
     Returns the bare GPTModel; wrap it with Megatron DDP for training (``megatron/policy_model.py``).
     Logits come out vocab-parallel ([s, b, padded_vocab / TP]) so log-probs never gather the vocabulary.
-    ``fast_cpu_modules=False`` uses Megatron's own core attention and experts on CPU (``layer_spec``);
+    ``fast_cpu_modules=False`` uses Megatron's own core attention, experts and MoE layer on CPU (``layer_spec``);
     parameter names, shapes and state dicts are the same either way.
     """
     from megatron.core import parallel_state

@@ -437,11 +437,12 @@ class Trainer:
         for k, share in enumerate(shares):
             if drift and k == 0:
                 before = self.policy.sequence_routing(shares[1], self._free_routing(shares[1]))
-            if drift and k == 1 and replay != "off":
+            after_from_update = drift and k == 1 and replay == "off"
+            if drift and k == 1 and not after_from_update:
                 drift_metrics = self.policy.routing_drift(share, before, self._free_routing(share))
-            with self.policy.routing_recorder(drift and k == 1 and replay == "off") as recorder:
+            with self.policy.routing_recorder(after_from_update) as recorder:
                 per_minibatch.append(self.policy.train_minibatch(share, replay=replay != "off"))
-            if drift and k == 1 and replay == "off":
+            if after_from_update:
                 drift_metrics = self.policy.routing_drift(share, before, recorder)
         return per_minibatch, drift_metrics
 
