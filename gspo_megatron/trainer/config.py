@@ -199,9 +199,12 @@ class TrainConfig:
                   "rollout.sglang.launch.return_original_logprob",
                   f"must be false at rollout.temperature {self.rollout.temperature} (it reports log-probs "
                   "before temperature, not of the distribution sampled from)")
-        # SGLang servers are separate processes already, but the trainer's HTTP calls are synchronous
-        check(self.train.rollout_mode == "sync" or self.rollout.engine == "hf", "train.rollout_mode",
-              "overlap is wired for the transformers engine (rollout.engine: hf) only; use sync with sglang")
+        # overlap with SGLang: the servers must keep their memory while the trainer trains
+        sglang = self.rollout.sglang
+        check(self.train.rollout_mode == "sync" or self.rollout.engine != "sglang" or sglang is None
+              or not (sglang.weight_sync == "tensor" and sglang.release_memory), "rollout.sglang.release_memory",
+              "must be false with train.rollout_mode: overlap (the servers generate the next batch while the trainer "
+              "trains, so they cannot give their GPU memory back meanwhile)")
         responses = self.train.prompts_per_step * self.rollout.samples_per_prompt
         check(responses >= self.train.minibatches_per_step, "train.minibatches_per_step",
               f"must be <= prompts_per_step x samples_per_prompt = {responses}")

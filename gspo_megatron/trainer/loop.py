@@ -85,7 +85,7 @@ class Trainer:
         self._sglang_rank = None
         overlap = config.train.rollout_mode == "overlap"
         self.ahead = RolloutAhead(config.train.max_staleness) if overlap else None
-        if overlap:
+        if overlap and config.rollout.engine == "hf":
             # the engine process takes its own cores (rollout/process_engine.py)
             torch.set_num_threads(trainer_threads(torch.get_num_threads(), config.rollout.engine_threads,
                                                   config.train.trainer_threads))
@@ -451,6 +451,11 @@ class Trainer:
         from gspo_megatron.rollout.weight_sync import sync_weights
 
         self.engine.resume_memory(["weights"])  # a no-op unless released (RolloutEngine.releases_memory)
+        if self.ahead is not None and self.config.rollout.engine == "sglang" and dist.get_world_size() > 1:
+            # overlap: the servers are shared, so every rank's batch generated ahead must be finished before
+            # any rank posts weights (each engine waits for its own in update_weights; the barrier for all)
+            self.engine.wait_submitted()
+            dist.barrier()
         stats = sync_weights(self.policy.ddp, self.model_config, self.engine)
         if self.config.rollout.engine == "sglang" and dist.get_world_size() > 1:
             from gspo_megatron.trainer.rollout_setup import share_sync_report

@@ -154,6 +154,19 @@ def fake_generate(state: StandinState, body: dict) -> list[dict] | dict:
     return outputs[0] if single and n == 1 else outputs
 
 
+def finishing_late(handler: Any, label: str, delay_s: Any = 0.3) -> Any:
+    """``handler`` (a stand-in endpoint function) made slow and traced: it first sleeps ``delay_s`` (seconds,
+    or a function of the request body), then answers and records ``("done " + label, body)`` in the request
+    log, so a test can tell what reached the server while it was still busy."""
+    def slowed(state: StandinState, body: dict) -> Any:
+        time.sleep(delay_s(body) if callable(delay_s) else delay_s)
+        result = handler(state, body)
+        with state.lock:
+            state.requests.append((f"done {label}", body))
+        return result
+    return slowed
+
+
 # ------------------------------------------------------------------------------------------ weight sync
 
 def _ok(message: str = "Succeeded.") -> dict:

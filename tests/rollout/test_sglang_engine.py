@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -419,3 +420,45 @@ def test_launched_servers_die_with_the_trainer_even_on_sigkill(tmp_path):
     while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "a launched server outlived the trainer"
+
+
+def _updates_wait_for_generations(log: list[str]) -> int:
+    """Every /generate that reached the server before a weight update had finished before it; returns the
+    number of updates checked."""
+    updates = [i for i, p in enumerate(log) if p.startswith("/update_weights")]
+    for u in updates:
+        assert log[:u].count("/generate") == log[:u].count("done /generate"), log
+    return len(updates)
+
+
+def test_a_generation_submitted_before_an_update_runs_wholly_on_the_old_weights(monkeypatch):
+    """Overlapped rollouts (rollout/ahead.py): ``submit`` returns before the server answers and the generation
+    runs on a background thread; an update sent after it waits until it has finished, one submitted after the
+    update runs on the new weights, and a cancelled one is still waited for."""
+    from tests.rollout import sglang_standin
+
+    monkeypatch.setattr(sglang_standin, "fake_generate",
+                        sglang_standin.finishing_late(sglang_standin.fake_generate, "/generate"))
+    with StandinServer() as srv:
+        engine = _attach([srv], prompts_per_request=8)
+        try:
+            start = time.perf_counter()
+            first = engine.submit(PROMPTS, 2, PARAMS)
+            assert time.perf_counter() - start < 0.2  # did not wait for the server
+            engine.update_weights([("norm.weight", torch.ones(8))], final=True)
+            second = engine.submit(PROMPTS, 2, PARAMS)
+            a, b = engine.result(first), engine.result(second)
+            log = [p for p, _ in srv.state.requests]
+            assert [p for p in log if "generate" in p or p.startswith("/update")] == [
+                "/generate", "done /generate", "/update_weights_from_tensor", "/generate", "done /generate"]
+            assert (a.weight_version, b.weight_version) == (0, 1) and a.generate_s >= 0.3
+            _check_groups(a.samples, PROMPTS, 2)
+            _check_groups(b.samples, PROMPTS, 2)
+            third = engine.submit(PROMPTS, 1, PARAMS)
+            engine.cancel(third)
+            engine.update_weights([("norm.weight", torch.ones(8))], final=True)
+            assert _updates_wait_for_generations([p for p, _ in srv.state.requests]) == 2
+            with pytest.raises(KeyError, match="no submitted generation 2"):
+                engine.result(third)
+        finally:
+            engine.shutdown()

@@ -221,3 +221,15 @@ def test_responses_stop_at_every_eos_of_the_generation_config(tmp_path):
     assert stop_token_ids(Tok(), tmp_path) == [7, 151643, 151645]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
     assert stop_token_ids(Tok(), tmp_path) == [7]
+
+
+def test_overlap_with_sglang_needs_the_servers_memory_held():
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.typed_config import ConfigError
+
+    sglang = ["train.rollout_mode=overlap", "rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:1]"]
+    with pytest.raises(ConfigError, match=r"rollout\.sglang\.release_memory: must be false with train\.rollout_mode"):
+        load_config(DEMO, sglang)
+    assert load_config(DEMO, sglang + ["rollout.sglang.release_memory=false"]).train.rollout_mode == "overlap"
+    assert load_config(DEMO, sglang + ["rollout.sglang.weight_sync=disk",
+                                       "rollout.sglang.disk_dir=/tmp/x"]).rollout.engine == "sglang"

@@ -201,16 +201,20 @@ def test_two_ranks_launch_once_post_once_and_colocate(tmp_path):
 SECOND_ROLLOUT_SEED = 424_242
 
 
+def _trainer_overrides(urls: list, disk_dir: str, *extra: str) -> list[str]:
+    """The demo on stand-in servers with disk sync, 4 prompts of 4 tokens per step, one prompt per request."""
+    return ["sft.steps=0", "logging.console=false", "logging.tensorboard=false", "train.prompts_per_step=4",
+            "rollout.max_new_tokens=4", "rollout.engine=sglang", f"rollout.sglang.urls=[{','.join(urls)}]",
+            "rollout.sglang.weight_sync=disk", f"rollout.sglang.disk_dir={disk_dir}",
+            "rollout.sglang.prompts_per_request=1", "rollout.sglang.backoff_s=0.01", *extra]
+
+
 def trainer_worker(rank, world_size, run_dir: str, urls: list, disk_dir: str) -> dict:
     from gspo_megatron.trainer.config import load_config
     from gspo_megatron.trainer.loop import Trainer
 
-    overrides = ["sft.steps=0", "train.steps=1", "logging.console=false", "logging.tensorboard=false",
-                 "train.prompts_per_step=4", "rollout.max_new_tokens=4", "parallel.expert_parallel=2",
-                 "rollout.engine=sglang", f"rollout.sglang.urls=[{','.join(urls)}]",
-                 "rollout.sglang.weight_sync=disk", f"rollout.sglang.disk_dir={disk_dir}",
-                 "rollout.sglang.prompts_per_request=1", "rollout.sglang.backoff_s=0.01"]
-    trainer = Trainer(load_config(DEMO, overrides), run_dir)
+    trainer = Trainer(load_config(DEMO, _trainer_overrides(urls, disk_dir, "train.steps=1",
+                                                           "parallel.expert_parallel=2")), run_dir)
     try:
         metrics = trainer.train_step()
         trainer.step += 1
@@ -226,13 +230,7 @@ def trainer_worker(rank, world_size, run_dir: str, urls: list, disk_dir: str) ->
 def _slow_disk_update(real):
     """Takes 0.3 s (a rank that does not wait for the sync would send its next /generate meanwhile) and
     records when the server holds the new weights."""
-    def update(state, body):
-        time.sleep(0.3)
-        result = real(state, body)
-        with state.lock:
-            state.requests.append(("done /update_weights_from_disk", body))
-        return result
-    return update
+    return sglang_standin.finishing_late(real, "/update_weights_from_disk")
 
 
 def test_trainer_step_on_two_ranks_syncs_each_server_once_and_waits_for_it(tmp_path, monkeypatch):
@@ -274,3 +272,54 @@ def test_trainer_step_on_two_ranks_syncs_each_server_once_and_waits_for_it(tmp_p
             if phase == 1:
                 assert i < updates[1]
     assert seen == {(1, 0), (1, 1), (2, 0), (2, 1)}  # both ranks generated through the servers, both times
+
+
+def overlap_worker(rank, world_size, run_dir: str, urls: list, disk_dir: str) -> dict:
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.trainer.loop import Trainer
+
+    trainer = Trainer(load_config(DEMO, _trainer_overrides(urls, disk_dir, "train.steps=3",
+                                                           "train.rollout_mode=overlap")), run_dir)
+    try:
+        ages, hidden = [], []
+        for _ in range(3):
+            metrics = trainer.train_step()
+            trainer.step += 1
+            ages.append(metrics["staleness"])
+            hidden.append("overlap_hidden_frac" in metrics)
+        return {"ages": ages, "hidden": hidden, "version": trainer.engine.weight_version,
+                "ahead": [f.step for f in trainer.ahead.queue]}
+    finally:
+        trainer.close()
+
+
+def _slow_generate(real):
+    """A /generate that records when it finished, and takes 0.8 s for rank 1's prompts (global indices 2 and 3 of
+    each step's 4, told by their sample seeds) and 0.05 s for rank 0's: rank 0 is ready to post weights while
+    rank 1's generation still runs on the shared servers."""
+    from gspo_megatron.trainer.loop import step_seed
+
+    rank1 = {sample_seed(step_seed(0, step, 1), i, j) for step in range(5) for i in (2, 3) for j in range(8)}
+    return sglang_standin.finishing_late(
+        real, "/generate", lambda body: 0.8 if {sp["sampling_seed"] for sp in body["sampling_params"]} & rank1 else 0.05)
+
+
+def test_overlapped_rollouts_with_sglang_on_two_ranks(tmp_path, monkeypatch):
+    """train.rollout_mode: overlap with SGLang (stand-in servers, disk sync, DP=2): the next step's batch is
+    generated while the trainer trains (one update old from step 1 on), and no server takes new weights while
+    a generation of either rank is still running on it."""
+    monkeypatch.setattr(sglang_standin, "fake_generate", _slow_generate(sglang_standin.fake_generate))
+    monkeypatch.setattr(sglang_standin, "update_from_disk", _slow_disk_update(sglang_standin.update_from_disk))
+    with StandinServer() as a, StandinServer() as b:
+        runs = run_distributed(overlap_worker, 2, (str(tmp_path / "run"), [a.url, b.url], str(tmp_path / "sync")),
+                               timeout_s=300)
+        logs = {s.url: [p for p, _ in s.state.requests] for s in (a, b)}
+    for run in runs:
+        assert run["ages"] == [0.0, 1.0, 1.0] and all(run["hidden"])
+        assert run["version"] == 4 and run["ahead"] == [3]  # the initial sync and one per step; step 3 is generating
+    for url, log in logs.items():
+        updates = [i for i, p in enumerate(log) if p == "/update_weights_from_disk"]
+        assert len(updates) == 4, (url, log)
+        for u in updates:
+            assert log[:u].count("/generate") == log[:u].count("done /generate"), (url, log)
+        assert log.count("/generate") > 0
