@@ -1,7 +1,6 @@
-"""NOT WIRED YET: used by tests only, the trainer refuses parallel.context_parallel > 1 (trainer/config.py).
-
-Context parallelism (CP), the project's part: which tokens a CP rank holds, and the autograd-aware
-all-reduce that joins per-sequence sums across the CP group before GSPO's exponent.
+"""Context parallelism (CP), the project's part: which tokens a CP rank holds, how a micro-batch is cut
+into them, and the autograd-aware all-reduce that joins per-sequence sums across the CP group before
+GSPO's exponent.
 
 Megatron-Core's CP splits every sequence of length s into 2 * CP chunks of s / (2 CP) tokens and gives CP
 rank r chunks r and 2 CP - 1 - r, in that order (``megatron.core.utils.get_batch_on_this_cp_rank``): with
@@ -13,10 +12,11 @@ GSPO's ratio s_i = exp((1/|y_i|) sum_t log(pi_theta / pi_old)(y_it)) (Eq. 7) is 
 the *whole* sequence, so each CP rank's partial sum must be all-reduced before the exponent; the
 per-token gradients then flow back through that all-reduce (``AllReduceSum``).
 
-What runs where: the attention of Megatron's local (non-Transformer-Engine) spec refuses CP > 1
-("Context parallelism is only supported by TEDotProductAttention"), so a CP model forward needs
-Transformer Engine, i.e. a GPU. Everything in this module is plain torch.distributed and is tested on two
-gloo ranks on CPU against the unsplit (CP = 1) computation.
+The trainer (``megatron/policy_model.py``) uses the [b, s] layout: ``cp_pad_multiple`` pads every
+micro-batch, ``split_microbatch`` gives each CP rank its chunks of every per-position tensor (tokens,
+labels, masks, per-token log-probs and advantages, Routing Replay's experts), and ``gather_from_cp`` puts
+stored log-probs back in position order. The model's attention is Transformer Engine's on GPUs and the
+all-gather attention of ``megatron/cp_attention.py`` on CPU; RoPE takes global positions itself.
 """
 from __future__ import annotations
 
@@ -125,6 +125,22 @@ def unsplit_from_cp(shards: Sequence[Tensor], dim: int, *, cu_seqlens_padded: Te
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(length)
     return torch.cat(list(shards), dim=dim).index_select(dim, inverse.to(shards[0].device))
+
+
+def cp_pad_multiple(cp_size: int, tp_sequence_parallel: int = 1) -> int:
+    """The multiple a micro-batch's sequence length is padded to: 2 CP equal chunks, each rank's two chunks
+    then split over ``tp_sequence_parallel`` ranks (sequence parallelism, 1 without it)."""
+    return (2 * cp_size if cp_size > 1 else 1) * tp_sequence_parallel
+
+
+def split_microbatch(mb: dict, cp_size: int, cp_rank: int) -> dict:
+    """This CP rank's part of a collated micro-batch (``batching.collate``): every tensor with 2 or more
+    dimensions is [b, s, ...] and is cut to chunks r and 2 CP - 1 - r along dim 1 (``cp_chunk_indices``);
+    [b] tensors (per-row advantages) and everything else are kept whole."""
+    if cp_size == 1:
+        return mb
+    return {key: split_for_cp(value, 1, cp_size, cp_rank) if isinstance(value, Tensor) and value.dim() >= 2 else value
+            for key, value in mb.items()}
 
 
 def gather_from_cp(tensor: Tensor, dim: int, cp_group, *, cu_seqlens_padded: Tensor | None = None) -> Tensor:

@@ -97,7 +97,8 @@ class SDPAttention(DotProductAttention):
     same RNG-tracker fork as the parent (SDPA draws its own dropout pattern, so a dropout run is not
     bit-identical to the parent's; our configs use 0).
 
-    Refused with an error: context parallelism > 1, packed sequences (``packed_seq_params``), attention
+    Refused with an error: context parallelism > 1 (``cp_attention.ContextParallelSDPAttention`` is this
+    module for CP), packed sequences (``packed_seq_params``), attention
     bias, sliding-window attention, non-vanilla softmax (off-by-one / learnable sinks).
     """
 
@@ -110,7 +111,7 @@ class SDPAttention(DotProductAttention):
         if config.context_parallel_size != 1:
             raise ValueError(f"{_THIS}: SDPAttention (the CPU layer spec) does not support context "
                              f"parallelism; TransformerConfig.context_parallel_size={config.context_parallel_size} "
-                             "needs the Transformer Engine spec (GPU)")
+                             "takes cp_attention.ContextParallelSDPAttention (the CPU spec swaps it in at CP > 1)")
         if config.softmax_type != "vanilla":
             raise ValueError(f"{_THIS}: SDPAttention supports TransformerConfig.softmax_type='vanilla' only, "
                              f"got {config.softmax_type!r}")

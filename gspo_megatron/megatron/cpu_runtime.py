@@ -46,6 +46,8 @@ _LITERAL_CUDA_MODULES = {
     "megatron.core.tensor_parallel.data": "broadcast sizes buffer",
     # the torch fallback of multi_tensor_l2norm used for the gradient norm without apex/TE
     "megatron.core.utils": "local_multi_tensor_l2_norm result",
+    # context parallelism: this CP rank's chunk indices of the rotary embedding (pinned host memory)
+    "megatron.core.models.common.embeddings.rope_utils": "get_pos_emb_on_this_cp_rank chunk indices",
 }
 
 _FACTORY_FUNCTIONS = ("zeros", "ones", "empty", "full", "tensor", "arange", "empty_like", "zeros_like")
@@ -64,7 +66,8 @@ def _to_cpu_device(device: Any) -> Any:
 
 
 class _CpuTorch(types.ModuleType):
-    """A view of the ``torch`` module whose tensor factories map ``device='cuda'`` to the CPU.
+    """A view of the ``torch`` module whose tensor factories map ``device='cuda'`` to the CPU (and
+    ``pin_memory=True`` to False).
 
     Installed as the module-global ``torch`` name of the modules in ``_LITERAL_CUDA_MODULES`` only, so
     no other code (and no hot path) pays for the redirection.
@@ -79,6 +82,8 @@ class _CpuTorch(types.ModuleType):
             def factory(*args, __fn=attr, **kwargs):
                 if "device" in kwargs:
                     kwargs["device"] = _to_cpu_device(kwargs["device"])
+                if kwargs.get("pin_memory"):  # pinning only speeds host-to-GPU copies; a CPU build has no pinned allocator
+                    kwargs["pin_memory"] = False
                 return __fn(*args, **kwargs)
 
             return factory
@@ -226,8 +231,9 @@ PATCHES: dict[str, Patch] = {
         "Tensor.cuda() moves optimizer state, checkpoint shards and tied embeddings 'to the GPU'; on CPU the "
         "tensor already is where it must be, so it returns itself.", _patch_tensor_cuda),
     "literal_cuda_factories": Patch(
-        "tensor factories with a literal device='cuda' in the modules of _LITERAL_CUDA_MODULES; those modules "
-        "see a torch whose factories map 'cuda' to the CPU (no other code pays for it).",
+        "tensor factories with a literal device='cuda' (or pin_memory=True, which needs a CUDA allocator) in the "
+        "modules of _LITERAL_CUDA_MODULES; those modules see a torch whose factories map 'cuda' to the CPU and "
+        "do not pin (no other code pays for it).",
         _patch_literal_cuda_factories),
     "rng_tracker": Patch(
         "the named RNG-state tracker stores CUDA generator states; CpuRNGStatesTracker forks the CPU "
@@ -309,3 +315,11 @@ def is_active() -> bool:
 def local_norm_class() -> type:
     """The norm module to use in the local (non-TE) layer spec on CPU."""
     return SequenceParallelRMSNorm
+
+
+def context_parallel_attention_class() -> type:
+    """The core attention of the local (non-TE) layer spec under context parallelism > 1: Megatron's local
+    attention asserts CP 1, so the CPU runtime swaps in the all-gather attention (``megatron/cp_attention.py``)."""
+    from gspo_megatron.megatron.cp_attention import ContextParallelSDPAttention
+
+    return ContextParallelSDPAttention

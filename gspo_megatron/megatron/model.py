@@ -142,6 +142,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtyp
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         expert_model_parallel_size=parallel.expert_parallel,
         context_parallel_size=parallel.context_parallel,
+        # Transformer Engine's CP algorithm (GPU); the CPU spec's CP attention always all-gathers
+        cp_comm_type=parallel.cp_comm_type if parallel.context_parallel > 1 else None,
         sequence_parallel=parallel.use_sequence_parallel,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -228,7 +230,7 @@ def _replace_in_spec(spec, old: type, new: type):
     return spec
 
 
-def local_layer_spec(model: ModelConfig, fast_modules: bool = True, moe: bool | None = None):
+def local_layer_spec(model: ModelConfig, fast_modules: bool = True, moe: bool | None = None, context_parallel: int = 1):
     """One decoder layer of Megatron's local (non-TE) spec for ``model``, as used on CPU.
 
     Every norm slot holds the sequence-parallel-capable RMSNorm (``cpu_runtime``). With ``fast_modules``
@@ -236,7 +238,9 @@ def local_layer_spec(model: ModelConfig, fast_modules: bool = True, moe: bool | 
     subclasses of Megatron's ``DotProductAttention`` / ``SequentialMLP`` with the same parameters and state
     dict and a cheaper forward; ``build_model`` then makes the MoE layers ``cpu_modules.PaddingFreeMoELayer``
     (``docs/cpu-runtime.md``). ``fast_modules=False`` keeps Megatron's own modules (the reference in tests and benchmarks). ``moe`` picks the MoE or the dense-MLP layer (default:
-    the model's kind; models with ``first_dense_layers`` have both).
+    the model's kind; models with ``first_dense_layers`` have both). ``context_parallel`` > 1: the core
+    attention is ``cpu_runtime.context_parallel_attention_class()`` (all-gather of keys and values over the
+    CP group), with or without ``fast_modules``, since Megatron's local attention refuses CP.
     """
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -255,6 +259,10 @@ def local_layer_spec(model: ModelConfig, fast_modules: bool = True, moe: bool | 
     if fast_modules:
         spec = _replace_in_spec(spec, DotProductAttention, cpu_modules.SDPAttention)
         spec = _replace_in_spec(spec, SequentialMLP, cpu_modules.FunctionalSequentialMLP)
+    if context_parallel > 1:
+        cp_attention = cpu_runtime.context_parallel_attention_class()
+        spec = _replace_in_spec(_replace_in_spec(spec, cpu_modules.SDPAttention, cp_attention), DotProductAttention,
+                                cp_attention)
     return spec
 
 
@@ -316,7 +324,8 @@ def layer_spec(model: ModelConfig, config, fast_cpu_modules: bool = True, choice
         return TransformerBlockSubmodules(layer_specs=stage_layer_specs(model, config, specs), layer_norm=TENorm)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    specs = {moe: local_layer_spec(model, fast_cpu_modules, moe) for moe in {model.is_moe, model.is_moe_layer(0)}}
+    specs = {moe: local_layer_spec(model, fast_cpu_modules, moe, config.context_parallel_size)
+             for moe in {model.is_moe, model.is_moe_layer(0)}}
     return TransformerBlockSubmodules(layer_specs=stage_layer_specs(model, config, specs),
                                       layer_norm=cpu_runtime.local_norm_class())
 

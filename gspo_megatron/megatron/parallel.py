@@ -14,6 +14,10 @@ from gspo_megatron.megatron.device import process_group_backend
 from gspo_megatron.typed_config import check
 
 
+# Transformer Engine's context-parallel attention algorithms (Megatron's TransformerConfig.cp_comm_type)
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
 @dataclasses.dataclass
 class ParallelConfig:
     """How the model is split over ``world_size`` processes.
@@ -22,6 +26,10 @@ class ParallelConfig:
     the experts over ranks of the data x context parallel group (Megatron's "expert data" folding), so
     ``ep`` must divide ``dp * cp``. Sequence parallelism is switched on with TP > 1 (Megatron requires it
     for MoE under TP, and it saves activation memory for dense models too).
+
+    Context parallelism splits every sequence over ``cp`` ranks (``megatron/context_parallel.py``).
+    ``cp_comm_type`` is Transformer Engine's CP attention algorithm on GPUs: ``p2p`` (ring), ``all_gather``,
+    ``a2a`` (Ulysses) or ``a2a+p2p`` (hierarchical); the CPU spec always all-gathers keys and values.
     """
 
     tensor_parallel: int = 1
@@ -30,10 +38,13 @@ class ParallelConfig:
     context_parallel: int = 1
     sequence_parallel: bool | None = None  # None: on exactly when tensor_parallel > 1
     distributed_optimizer: bool = False
+    cp_comm_type: str = "p2p"
 
     def validate(self, path: str) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "context_parallel"):
             check(getattr(self, name) >= 1, f"{path}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        check(self.cp_comm_type in CP_COMM_TYPES, f"{path}.cp_comm_type",
+              f"must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}")
         if self.sequence_parallel is False and self.tensor_parallel > 1:
             check(False, f"{path}.sequence_parallel", "must be on (or null) when tensor_parallel > 1")
 

@@ -23,6 +23,8 @@ from gspo_megatron.algorithms.metrics import finalize_metrics, merge_metrics, ME
 from gspo_megatron.algorithms.policy import policy_loss
 from gspo_megatron.batching import TrainSequence, collate, pack_microbatches, present_fields
 from gspo_megatron.megatron import sharding
+from gspo_megatron.megatron.context_parallel import (cp_pad_multiple, cp_reduce_sequence_sums, gather_from_cp,
+                                                     split_microbatch)
 from gspo_megatron.megatron.device import to_device, to_host
 from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
 from gspo_megatron.megatron.optimizer import OptimizerConfig, build_optimizer, clip_and_step, warm_start_config
@@ -44,6 +46,12 @@ class ModelGroups:
     pp_last_rank: int  # global rank of the last pipeline stage of this rank's pipeline
     is_last_stage: bool
     sequence_parallel: object | None  # the TP group when sequence parallelism splits the sequence
+    # context parallelism: every sequence is cut over the CP group (megatron/context_parallel.py); metrics
+    # and the loss terms are share-weighted per rank, so they sum over data x context parallel ranks
+    context_parallel: object = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    data_context_parallel: object = None
 
     @classmethod
     def from_parallel_state(cls, sequence_parallel: bool) -> "ModelGroups":
@@ -56,7 +64,10 @@ class ModelGroups:
                    tp_rank=ps.get_tensor_model_parallel_rank(),
                    pp_size=ps.get_pipeline_model_parallel_world_size(),
                    pp_last_rank=ps.get_pipeline_model_parallel_last_rank(), is_last_stage=ps.is_pipeline_last_stage(),
-                   sequence_parallel=tp if sequence_parallel else None)
+                   sequence_parallel=tp if sequence_parallel else None,
+                   context_parallel=ps.get_context_parallel_group(), cp_size=ps.get_context_parallel_world_size(),
+                   cp_rank=ps.get_context_parallel_rank(),
+                   data_context_parallel=ps.get_data_parallel_group(with_context_parallel=True))
 
 
 def causal_mask(seq_len: int, device: torch.device | None = None) -> torch.Tensor:
@@ -174,8 +185,9 @@ class PolicyModel:
     # ---- helpers -------------------------------------------------------------------------------
     @property
     def pad_multiple(self) -> int:
-        # sequence parallelism splits the sequence dimension over TP ranks
-        return self.parallel.tensor_parallel if self.parallel.use_sequence_parallel else 1
+        # sequence parallelism splits the sequence dimension over TP ranks, context parallelism into 2 CP chunks
+        return cp_pad_multiple(self.groups.cp_size,
+                               self.parallel.tensor_parallel if self.parallel.use_sequence_parallel else 1)
 
     def _local_plan(self, seqs: Sequence[TrainSequence]) -> list[list[int]]:
         """This rank's micro-batches (sequence indices), in run order; deterministic in the lengths."""
@@ -209,7 +221,7 @@ class PolicyModel:
                       indices=members)
             if replay:
                 mb["routed_experts"] = self._experts_batch([seqs[i] for i in members], mb["input_ids"].shape)
-            out.append(mb)
+            out.append(split_microbatch(mb, self.groups.cp_size, self.groups.cp_rank))
         return out
 
     def _experts_batch(self, members: Sequence[TrainSequence], shape) -> torch.Tensor:
@@ -271,7 +283,8 @@ class PolicyModel:
 
         if not active:
             return contextlib.nullcontext()
-        return RoutingRecorder(self.module, sequence_parallel_group=self.groups.sequence_parallel)
+        return RoutingRecorder(self.module, sequence_parallel_group=self.groups.sequence_parallel,
+                               context_parallel_group=self._cp_group)
 
     def routing_drift(self, seqs: Sequence[TrainSequence], before: Sequence[torch.Tensor], after) -> dict[str, float]:
         """Routing drift of ``seqs`` over their response tokens, all DP ranks: ``before`` holds per sequence
@@ -316,8 +329,20 @@ class PolicyModel:
         ids = mb["input_ids"]
         if self.layer_spec == "te":
             return model(ids, mb["position_ids"], None)
+        if self.groups.cp_size > 1:  # the CP attention masks causally by global position (cp_attention.py)
+            return model(ids, mb["position_ids"], None, padding_mask=mb["padding_mask"])
         # the local spec's MoE layers route padded positions to no expert (cpu_modules.PaddingFreeMoELayer)
         return model(ids, mb["position_ids"], causal_mask(ids.shape[1], ids.device), padding_mask=mb["padding_mask"])
+
+    @property
+    def _cp_group(self):
+        """The CP group when sequences are split over more than one rank, else None."""
+        return self.groups.context_parallel if self.groups.cp_size > 1 else None
+
+    @property
+    def _reduce_sequence_sums(self):
+        """GSPO's per-sequence sums summed over the CP group before the ratio (None without CP)."""
+        return cp_reduce_sequence_sums(self._cp_group) if self._cp_group is not None else None
 
     @property
     def _runner(self) -> torch.nn.Module:
@@ -333,7 +358,9 @@ class PolicyModel:
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self._runner],
-            num_microbatches=len(microbatches), seq_length=max(m["input_ids"].shape[1] for m in microbatches),
+            # the schedule's seq_length is the whole sequence's (it divides by CP for the pipeline buffers)
+            num_microbatches=len(microbatches),
+            seq_length=max(m["input_ids"].shape[1] for m in microbatches) * self.groups.cp_size,
             micro_batch_size=max(m["input_ids"].shape[0] for m in microbatches), forward_only=forward_only)
 
     # ---- no-grad forward: old-policy / reference log-probs ---------------------------------------
@@ -357,6 +384,9 @@ class PolicyModel:
             def loss_func(logits):
                 logp, entropy = token_logprobs(logits, mb["labels"], self.model_config, self.groups, with_entropy,
                                                self.logprob_chunk_bytes, self.temperature)
+                if self.groups.cp_size > 1:  # back to position order before the per-sequence slices
+                    logp = gather_from_cp(logp, 1, self.groups.context_parallel)
+                    entropy = None if entropy is None else gather_from_cp(entropy, 1, self.groups.context_parallel)
                 collected.append((mb["indices"], logp, entropy))
                 return logits.new_zeros(()), {}
 
@@ -407,7 +437,7 @@ class PolicyModel:
                 advantages = mb["token_advantages"] if "token_advantages" in mb else mb["advantages"]
                 batch = padded_batch(logp, old, mb["loss_mask"], advantages, ref_logprobs=mb.get("ref_logprobs"),
                                      entropy=entropy, rollout_logprobs=mb.get("rollout_logprobs"))
-                loss, metrics = policy_loss(self.loss_config, batch, normalisers)
+                loss, metrics = policy_loss(self.loss_config, batch, normalisers, self._reduce_sequence_sums)
                 # Megatron divides by the number of micro-batches and DDP averages over DP: undo both.
                 return loss * (num_mb * dp), metrics
 
@@ -444,8 +474,9 @@ class PolicyModel:
         return self._reduce_to_all(merge_metrics(outputs) if outputs else {})
 
     def _reduce_to_all(self, raw: dict) -> dict:
-        """Metrics live on the last pipeline stage: reduce over DP there, then share with every rank."""
-        raw = _reduce_metrics(raw, self.groups.data_parallel) if self.groups.is_last_stage else raw
+        """Metrics live on the last pipeline stage: reduce over DP (and CP: each rank's terms are its share)
+        there, then share with every rank."""
+        raw = _reduce_metrics(raw, self.groups.data_context_parallel) if self.groups.is_last_stage else raw
         return _from_last_stage(raw, self.groups)
 
     def grads_finite(self) -> bool:

@@ -179,10 +179,10 @@ class TrainConfig:
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
 
     def validate(self, path: str) -> None:
-        # the CP pieces exist (megatron/context_parallel.py) but the trainer does not split sequences over
-        # CP ranks yet (docs/megatron.md): refuse rather than feed every CP rank whole sequences
-        check(self.parallel.context_parallel == 1, "parallel.context_parallel",
-              "context parallelism is not wired into the trainer yet; use 1")
+        # context parallelism: what has not been run with it is refused by name (docs/megatron.md)
+        check(self.parallel.context_parallel == 1 or self.model.recompute == "none", "model.recompute",
+              f"must be none with parallel.context_parallel={self.parallel.context_parallel} (activation "
+              "recomputation has not been run with context parallelism)")
         check(self.train.routing_replay != "r2" or self.rollout.logprobs_from == "recompute",
               "train.routing_replay", "r2 records the experts in the recomputed old-policy forward: "
               "needs rollout.logprobs_from: recompute (or use r3, the engine's experts)")
@@ -230,6 +230,9 @@ def check_layout(parallel: ParallelConfig, model: ModelConfig, where: str) -> No
     else:
         check(parallel.expert_parallel == 1, "parallel.expert_parallel",
               f"must be 1 for a dense model ({where} num_experts is 0), got {parallel.expert_parallel}")
+    check(parallel.context_parallel == 1 or not model.is_mla, "parallel.context_parallel",
+          f"must be 1 for multi-latent attention ({where}{'' if where.endswith(':') else '.'}kv_lora_rank="
+          f"{model.kv_lora_rank}): MLA's rotary split has not been run with context parallelism")
     if model.is_mla:  # MLA's latent down-projections are column-parallel too
         splits += [("tensor_parallel", "kv_down_proj_rows")] + ([("tensor_parallel", "q_lora_rank")] if model.q_lora_rank else [])
     sep = "" if where.endswith(":") else "."

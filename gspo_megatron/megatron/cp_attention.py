@@ -1,0 +1,173 @@
+"""Core attention with context parallelism (CP) for the CPU layer spec: all-gather of keys and values.
+
+Megatron-Core's local ``DotProductAttention`` asserts ``context_parallel_size == 1`` ("only supported by
+TEDotProductAttention"); on GPUs CP goes through Transformer Engine's attention (ring / all-gather /
+all-to-all, ``TransformerConfig.cp_comm_type``). This module is the CPU counterpart, the simplest exact
+algorithm:
+
+    K_full, V_full = all_gather_cp(K_local), all_gather_cp(V_local)      [S, b, ng, hn], S = CP x s_local
+    out_local      = softmax(scale * Q_local K_full^T + mask) V_full      masked by *global* position
+
+Each CP rank holds chunks r and 2 CP - 1 - r of the 2 CP chunks of the sequence (Megatron's layout,
+``context_parallel.cp_chunk_indices``); the gathered keys come in rank order, so their global positions
+are the concatenation of every rank's chunk indices, and the mask is built (or selected) on those
+positions, never by local index. The all-gather's backward is a reduce-scatter: rank r's keys were read by
+every rank's queries, so dL/dK_r is the sum over ranks of their gradient at r's rows.
+
+Masks. ``attention_mask=None``: causal by global position (the trainer's padded rows need no more: real
+tokens never attend to later padding). A given mask is over the whole sequence, bool [b|1, 1, S, S],
+True = masked (Megatron's convention), e.g. the block-diagonal causal mask of several sequences packed
+into one row, whose boundaries may fall anywhere, also inside a chunk; this rank takes its query rows
+and the gathered keys' columns. RoPE needs nothing here: Megatron's rotary embedding already takes this
+rank's chunks of the global positions (``get_pos_emb_on_this_cp_rank``).
+
+Memory: every rank holds the whole sequence's keys and values for one layer at a time (2 S ng hn per
+layer, saved for backward), and scores of s_local x S; the activations that scale with the sequence
+elsewhere (hidden states, MLP/MoE, logits) are 1 / CP per rank.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gspo_megatron.megatron.context_parallel import cp_chunk_indices
+from gspo_megatron.megatron.cpu_modules import SDPAttention, sdpa_core_attention
+
+_THIS = "gspo_megatron/megatron/cp_attention.py"
+
+
+class _GatherSequence(torch.autograd.Function):
+    """[s_local, ...] on each rank -> [CP x s_local, ...], the ranks' parts in rank order; backward: the
+    reduce-scatter (SUM) of the gradient, each rank keeping its own rows."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        size = dist.get_world_size(ctx.group)
+        out = torch.empty((grad.shape[0] // size, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None
+
+
+def gather_sequence(x: Tensor, group) -> Tensor:
+    """Differentiable all-gather along dim 0 over ``group`` (see ``_GatherSequence``)."""
+    return _GatherSequence.apply(x, group)
+
+
+def gathered_positions(local_len: int, cp_size: int) -> Tensor:
+    """[CP x local_len] global positions of the rows of an all-gathered [CP x s_local] tensor: rank r's
+    chunks r and 2 CP - 1 - r, ranks in order."""
+    seq_len = local_len * cp_size
+    return torch.cat([cp_chunk_indices(seq_len, cp_size, r) for r in range(cp_size)])
+
+
+def cp_attention_mask(attention_mask: Optional[Tensor], local_len: int, cp_size: int, cp_rank: int,
+                      device=None) -> Tensor:
+    """This rank's bool mask [b|1, 1, s_local, S] (True = masked) against the all-gathered keys.
+
+    attention_mask: None (causal by global position) or the whole sequence's mask [b|1, 1, S, S] / [S, S].
+    """
+    seq_len = local_len * cp_size
+    q_pos = cp_chunk_indices(seq_len, cp_size, cp_rank)
+    k_pos = gathered_positions(local_len, cp_size)
+    if attention_mask is None:
+        return (k_pos[None, :] > q_pos[:, None]).to(device).view(1, 1, local_len, seq_len)
+    if attention_mask.dtype != torch.bool:
+        raise ValueError(f"{_THIS}: attention_mask must be bool (True = masked), got {attention_mask.dtype}")
+    if attention_mask.shape[-2:] != (seq_len, seq_len):
+        raise ValueError(f"{_THIS}: under context parallelism the attention mask covers the whole sequence "
+                         f"[..., {seq_len}, {seq_len}] (CP={cp_size} x {local_len} local positions), got "
+                         f"{tuple(attention_mask.shape)}")
+    mask = attention_mask if attention_mask.dim() == 4 else attention_mask.view(1, 1, seq_len, seq_len)
+    dev = mask.device
+    return mask.index_select(2, q_pos.to(dev)).index_select(3, k_pos.to(dev))
+
+
+def cp_core_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor], scale: float,
+                      cp_group, dropout_p: float = 0.0) -> Tensor:
+    """Context-parallel attention of this rank's queries over the whole sequence's keys and values.
+
+    query [s_local, b, np, hn]; key, value [s_local, b, ng, hn] (value: hv under MLA), this rank's chunks in
+    Megatron's CP layout; attention_mask as ``cp_attention_mask``. Returns [s_local, b, np * hv], equal to
+    the CP = 1 attention's rows at this rank's positions (fp32: up to summation order).
+    """
+    cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    local_len = query.shape[0]
+    if key.shape[0] != local_len or value.shape[0] != local_len:
+        raise ValueError(f"{_THIS}: queries, keys and values must hold the same positions, got "
+                         f"{query.shape[0]}, {key.shape[0]}, {value.shape[0]}")
+    if local_len % 2:
+        raise ValueError(f"{_THIS}: {local_len} local positions are not two equal chunks (pad the sequence to a "
+                         f"multiple of 2 x CP = {2 * cp_size})")
+    # one collective for keys and values: [s, b * ng * (hn + hv)]
+    k_width = key[0].numel()
+    kv = torch.cat([key.reshape(local_len, -1), value.reshape(local_len, -1)], dim=1)
+    kv = gather_sequence(kv, cp_group)
+    k_full = kv[:, :k_width].reshape(cp_size * local_len, *key.shape[1:])
+    v_full = kv[:, k_width:].reshape(cp_size * local_len, *value.shape[1:])
+    mask = cp_attention_mask(attention_mask, local_len, cp_size, cp_rank, device=query.device)
+    return sdpa_core_attention(query, k_full, v_full, mask, default_causal=False, scale=scale, dropout_p=dropout_p)
+
+
+class ContextParallelSDPAttention(SDPAttention):
+    """``SDPAttention`` (the CPU spec's core attention) for ``context_parallel_size`` >= 1, with the CP
+    group of the ``pg_collection`` Megatron's ``SelfAttention`` passes (``pg_collection.cp``).
+
+    Megatron's ``DotProductAttention.__init__`` refuses CP > 1 with an assert, and that assert is its only
+    use of ``context_parallel_size``: the parent is built on a shallow copy of the config with CP 1, then
+    the real config is put back. No parameters, the parent's (empty) state dict: checkpoints do not see CP.
+    ``cp_comm_type`` (Transformer Engine's choice of ring / all-gather / all-to-all) is accepted and
+    ignored: this module always all-gathers.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
+        built_with = copy.copy(config)
+        built_with.context_parallel_size = 1
+        super().__init__(built_with, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection,
+                         k_channels=k_channels, v_channels=v_channels)
+        self.config = config
+        if pg_collection is None:
+            from megatron.core import parallel_state
+
+            self.cp_group = parallel_state.get_context_parallel_group()
+        else:
+            self.cp_group = pg_collection.cp
+        if dist.get_world_size(self.cp_group) != config.context_parallel_size:
+            raise ValueError(f"{_THIS}: the CP group has {dist.get_world_size(self.cp_group)} ranks, "
+                             f"TransformerConfig.context_parallel_size={config.context_parallel_size}")
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        """query [s_local, b, np, hn], key / value [s_local, b, ng, hn] -> context [s_local, b, np * hn]."""
+        if self.config.context_parallel_size == 1:
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        if packed_seq_params is not None:
+            raise ValueError(f"{_THIS}: packed_seq_params (THD) is not supported on the CPU spec; pack sequences "
+                             "into a row and pass their block-diagonal causal mask over the whole row")
+        if attention_bias is not None:
+            raise ValueError(f"{_THIS}: attention_bias is not supported")
+        if query.shape[2] != self.num_attention_heads_per_partition or \
+                key.shape[2] != self.num_query_groups_per_partition:
+            raise ValueError(f"{_THIS}: expected {self.num_attention_heads_per_partition} query heads and "
+                             f"{self.num_query_groups_per_partition} key/value groups on this TP rank, got "
+                             f"query {tuple(query.shape)}, key {tuple(key.shape)}")
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        if dropout_p == 0.0 or self.config.sequence_parallel:
+            return cp_core_attention(query, key, value, attention_mask, self.sdpa_scale, self.cp_group, dropout_p)
+        from megatron.core import tensor_parallel
+
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return cp_core_attention(query, key, value, attention_mask, self.sdpa_scale, self.cp_group, dropout_p)
