@@ -14,8 +14,9 @@ from gspo_megatron.megatron.device import process_group_backend
 from gspo_megatron.typed_config import check
 
 
-# Transformer Engine's context-parallel attention algorithms (Megatron's TransformerConfig.cp_comm_type)
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+# Transformer Engine's context-parallel attention algorithms (Megatron's TransformerConfig.cp_comm_type);
+# "a2a+p2p" also needs Megatron's hierarchical CP groups, which initialize_model_parallel does not create
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 @dataclasses.dataclass
@@ -28,8 +29,8 @@ class ParallelConfig:
     for MoE under TP, and it saves activation memory for dense models too).
 
     Context parallelism splits every sequence over ``cp`` ranks (``megatron/context_parallel.py``).
-    ``cp_comm_type`` is Transformer Engine's CP attention algorithm on GPUs: ``p2p`` (ring), ``all_gather``,
-    ``a2a`` (Ulysses) or ``a2a+p2p`` (hierarchical); the CPU spec always all-gathers keys and values.
+    ``cp_comm_type`` is Transformer Engine's CP attention algorithm on GPUs: ``p2p`` (ring), ``all_gather``
+    or ``a2a`` (Ulysses, heads split over CP); the CPU spec always all-gathers keys and values.
     """
 
     tensor_parallel: int = 1

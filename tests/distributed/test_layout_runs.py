@@ -1,7 +1,7 @@
 """Layout-independent training, end to end: the same config and seed train the same model at every
 parallel layout. The trainer runs (supervised warm start, rollouts, rewards, GSPO updates, weight syncs)
-at 1 process, TP=2, PP=2, EP=2 and DP=2, and on 4 and 8 processes in combinations (TP2+EP2, PP2+DP2,
-TP2+PP2; TP2+PP2+EP2 over DP2), and every step's rewards must be identical and its losses and gradient
+at 1 process, TP=2, PP=2, EP=2, DP=2 and CP=2, and on 4 and 8 processes in combinations (TP2+EP2, PP2+DP2,
+TP2+PP2, CP2+TP2, CP2+EP2; TP2+PP2+EP2 over DP2), and every step's rewards must be identical and its losses and gradient
 norms equal up to float32 reduction-order noise (see TOL).
 
 What makes this hold: canonical random initialisation (megatron/canonical_init.py), per-sample sampling
@@ -28,10 +28,13 @@ OVERLAP = ["train.rollout_mode=overlap"]  # the engine in its own process, batch
 LAYOUTS = {
     1: {"single": [], "single_overlap": OVERLAP},
     2: {"tp2": ["parallel.tensor_parallel=2"], "pp2": ["parallel.pipeline_parallel=2"],
-        "ep2": ["parallel.expert_parallel=2"], "dp2": [], "dp2_overlap": OVERLAP},
+        "ep2": ["parallel.expert_parallel=2"], "dp2": [], "dp2_overlap": OVERLAP,
+        "cp2": ["parallel.context_parallel=2"]},
     4: {"tp2_ep2": ["parallel.tensor_parallel=2", "parallel.expert_parallel=2"],
         "pp2_dp2": ["parallel.pipeline_parallel=2"],
-        "tp2_pp2": ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"]},
+        "tp2_pp2": ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"],
+        "cp2_tp2": ["parallel.context_parallel=2", "parallel.tensor_parallel=2"],
+        "cp2_ep2": ["parallel.context_parallel=2", "parallel.expert_parallel=2"]},
     8: {"tp2_pp2_ep2_dp2": ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2",
                             "parallel.expert_parallel=2"]},
 }
