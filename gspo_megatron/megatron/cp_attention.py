@@ -21,9 +21,10 @@ into one row, whose boundaries may fall anywhere, also inside a chunk; this rank
 and the gathered keys' columns. RoPE needs nothing here: Megatron's rotary embedding already takes this
 rank's chunks of the global positions (``get_pos_emb_on_this_cp_rank``).
 
-Memory: every rank holds the whole sequence's keys and values for one layer at a time (2 S ng hn per
-layer, saved for backward), and scores of s_local x S; the activations that scale with the sequence
-elsewhere (hidden states, MLP/MoE, logits) are 1 / CP per rank.
+Memory: every rank holds the whole sequence's keys and values (2 S ng hn per layer, saved for backward);
+the scores are computed in blocks of query rows under checkpointing (``cp_core_attention``), so no
+s_local x S tensor is kept; the activations that scale with the sequence elsewhere (hidden states, MLP/MoE,
+logits) are 1 / CP per rank.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from gspo_megatron.megatron.context_parallel import cp_chunk_indices
 from gspo_megatron.megatron.cpu_modules import SDPAttention, sdpa_core_attention
@@ -73,16 +75,17 @@ def gathered_positions(local_len: int, cp_size: int) -> Tensor:
 
 
 def cp_attention_mask(attention_mask: Optional[Tensor], local_len: int, cp_size: int, cp_rank: int,
-                      device=None) -> Tensor:
-    """This rank's bool mask [b|1, 1, s_local, S] (True = masked) against the all-gathered keys.
+                      device=None, rows: slice = slice(None)) -> Tensor:
+    """This rank's bool mask [b|1, 1, r, S] (True = masked) against the all-gathered keys, for its query
+    ``rows`` (default all s_local).
 
     attention_mask: None (causal by global position) or the whole sequence's mask [b|1, 1, S, S] / [S, S].
     """
     seq_len = local_len * cp_size
-    q_pos = cp_chunk_indices(seq_len, cp_size, cp_rank)
+    q_pos = cp_chunk_indices(seq_len, cp_size, cp_rank)[rows]
     k_pos = gathered_positions(local_len, cp_size)
     if attention_mask is None:
-        return (k_pos[None, :] > q_pos[:, None]).to(device).view(1, 1, local_len, seq_len)
+        return (k_pos[None, :] > q_pos[:, None]).to(device).view(1, 1, q_pos.numel(), seq_len)
     if attention_mask.dtype != torch.bool:
         raise ValueError(f"{_THIS}: attention_mask must be bool (True = masked), got {attention_mask.dtype}")
     if attention_mask.shape[-2:] != (seq_len, seq_len):
@@ -94,16 +97,31 @@ def cp_attention_mask(attention_mask: Optional[Tensor], local_len: int, cp_size:
     return mask.index_select(2, q_pos.to(dev)).index_select(3, k_pos.to(dev))
 
 
+# float32 bytes of one block's attention scores (b x heads x rows x S): small enough that the scores of a
+# long sequence are never held whole, large enough to keep the matrix products efficient
+SCORE_BLOCK_BYTES = 16 * 1024 * 1024
+
+
+def block_rows(batch: int, heads: int, seq_len: int, block_bytes: int = SCORE_BLOCK_BYTES) -> int:
+    """Query rows per block so that one block's float32 scores [b, heads, rows, S] fit ``block_bytes``."""
+    return max(1, block_bytes // (4 * batch * heads * seq_len))
+
+
 def cp_core_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor], scale: float,
-                      cp_group, dropout_p: float = 0.0) -> Tensor:
+                      cp_group, dropout_p: float = 0.0, block_bytes: int | None = None) -> Tensor:
     """Context-parallel attention of this rank's queries over the whole sequence's keys and values.
 
     query [s_local, b, np, hn]; key, value [s_local, b, ng, hn] (value: hv under MLA), this rank's chunks in
     Megatron's CP layout; attention_mask as ``cp_attention_mask``. Returns [s_local, b, np * hv], equal to
     the CP = 1 attention's rows at this rank's positions (fp32: up to summation order).
+
+    With a mask SDPA materialises the scores, s_local x S per head. The queries are therefore taken in
+    blocks of ``block_rows`` whose scores fit ``block_bytes`` (default ``SCORE_BLOCK_BYTES``), each under activation checkpointing: the
+    forward keeps only the blocks' outputs, and the backward recomputes one block's scores at a time
+    (attention's forward runs twice; memory stays O(S) per row block instead of O(s_local x S)).
     """
     cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
-    local_len = query.shape[0]
+    local_len, batch, heads = query.shape[0], query.shape[1], query.shape[2]
     if key.shape[0] != local_len or value.shape[0] != local_len:
         raise ValueError(f"{_THIS}: queries, keys and values must hold the same positions, got "
                          f"{query.shape[0]}, {key.shape[0]}, {value.shape[0]}")
@@ -116,8 +134,23 @@ def cp_core_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask:
     kv = gather_sequence(kv, cp_group)
     k_full = kv[:, :k_width].reshape(cp_size * local_len, *key.shape[1:])
     v_full = kv[:, k_width:].reshape(cp_size * local_len, *value.shape[1:])
-    mask = cp_attention_mask(attention_mask, local_len, cp_size, cp_rank, device=query.device)
-    return sdpa_core_attention(query, k_full, v_full, mask, default_causal=False, scale=scale, dropout_p=dropout_p)
+    rows = block_rows(batch, heads, cp_size * local_len, SCORE_BLOCK_BYTES if block_bytes is None else block_bytes)
+
+    def block(start: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        mask = cp_attention_mask(attention_mask, local_len, cp_size, cp_rank, device=q.device,
+                                 rows=slice(start, start + q.shape[0]))
+        return sdpa_core_attention(q, k, v, mask, default_causal=False, scale=scale, dropout_p=dropout_p)
+
+    if rows >= local_len:
+        return block(0, query, k_full, v_full)
+    outs = []
+    for start in range(0, local_len, rows):
+        q = query[start:start + rows]
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(block, start, q, k_full, v_full, use_reentrant=False))
+        else:
+            outs.append(block(start, q, k_full, v_full))
+    return torch.cat(outs, dim=0)
 
 
 class ContextParallelSDPAttention(SDPAttention):

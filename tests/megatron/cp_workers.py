@@ -59,6 +59,18 @@ def model_checks(model_config) -> dict:
         ref_mask = mask if mask is not None else torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1)
         out[name] = {"ref": _model_run(model_config, ParallelConfig(), tokens, ref_mask),
                      "cp2": _model_run(model_config, ParallelConfig(context_parallel=2), tokens, mask)}
+    # query blocks of 3 rows (the scores of a long sequence are never held whole): blocks straddle the
+    # chunk and sequence boundaries, and the backward recomputes each block under checkpointing
+    from gspo_megatron.megatron import cp_attention
+
+    default = cp_attention.SCORE_BLOCK_BYTES
+    cp_attention.SCORE_BLOCK_BYTES = 3 * 4 * 4 * s * tokens.shape[0]  # 3 rows x 4 heads x S x b float32
+    try:
+        out["packed_blocks"] = {"ref": out["packed"]["ref"],
+                                "cp2": _model_run(model_config, ParallelConfig(context_parallel=2), tokens,
+                                                  packed_mask(lengths))}
+    finally:
+        cp_attention.SCORE_BLOCK_BYTES = default
     # the packed mask changes the result: the test would notice attention across a boundary
     out["packed_differs"] = float((out["packed"]["ref"]["logits"] - out["padded"]["ref"]["logits"]).abs().max())
     return out

@@ -96,3 +96,31 @@ def test_parameter_gradient_summed_over_cp_equals_unsplit(runs):
         assert p["ref"].abs().sum() > 0
         torch.testing.assert_close(p["summed"], p["ref"], rtol=1e-5, atol=1e-7)
         assert (p["local"] - p["ref"]).abs().max() > 1e-4  # one rank alone holds only part of it
+
+
+def test_cp_attention_mask_is_the_causal_mask_at_the_gathered_positions():
+    """CP rank r's mask against the all-gathered keys (rank order) is the causal mask read at its query
+    positions and the keys' global positions, for the default (None) and for a given whole-sequence mask."""
+    from gspo_megatron.megatron.cp_attention import cp_attention_mask, gathered_positions
+
+    full = torch.ones(12, 12, dtype=torch.bool).triu(1)
+    keys = gathered_positions(6, 2)
+    assert keys.tolist() == [0, 1, 2, 9, 10, 11, 3, 4, 5, 6, 7, 8]
+    for rank in range(2):
+        rows = cp.cp_chunk_indices(12, 2, rank)
+        want = full[rows][:, keys]
+        assert torch.equal(cp_attention_mask(None, 6, 2, rank)[0, 0], want)
+        assert torch.equal(cp_attention_mask(full[None, None], 6, 2, rank)[0, 0], want)
+        assert torch.equal(cp_attention_mask(None, 6, 2, rank, rows=slice(2, 5))[0, 0], want[2:5])
+    with pytest.raises(ValueError, match="covers the whole sequence"):
+        cp_attention_mask(full[:6, :6], 6, 2, 0)
+
+
+def test_microbatch_split_cuts_positions_and_keeps_rows():
+    mb = {"input_ids": torch.arange(16).view(2, 8), "advantages": torch.tensor([1.0, -1.0]), "indices": [3, 5],
+          "routed_experts": torch.arange(2 * 8 * 3).view(2, 8, 3, 1)}
+    part = cp.split_microbatch(mb, 2, 1)
+    assert part["input_ids"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert torch.equal(part["advantages"], mb["advantages"]) and part["indices"] == [3, 5]
+    assert torch.equal(part["routed_experts"], mb["routed_experts"][:, 2:6])
+    assert cp.cp_pad_multiple(2, 2) == 8 and cp.cp_pad_multiple(1, 2) == 2

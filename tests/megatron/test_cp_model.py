@@ -16,10 +16,11 @@ def runs(tmp_path_factory):
     return run_distributed(cp_suite, 2, (tiny_moe_config(), str(tmp_path_factory.mktemp("cp_ckpt"))), timeout_s=880)
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "packed_blocks"])
 def test_logits_and_gradients_at_cp2_equal_one_process(runs, layout):
     """Odd lengths crossing the chunk boundaries: padded rows under the causal mask by global position, and
-    three sequences packed into one row (boundaries inside chunks) under their block-diagonal mask."""
+    three sequences packed into one row (boundaries inside chunks) under their block-diagonal mask; the
+    latter also with the queries in checkpointed blocks of 3 rows (``cp_attention.SCORE_BLOCK_BYTES``)."""
     for out in runs:
         ref, got = out["model"][layout]["ref"], out["model"][layout]["cp2"]
         torch.testing.assert_close(got["logits"], ref["logits"], rtol=0, atol=1e-5)
