@@ -124,3 +124,27 @@ def test_microbatch_split_cuts_positions_and_keeps_rows():
     assert torch.equal(part["advantages"], mb["advantages"]) and part["indices"] == [3, 5]
     assert torch.equal(part["routed_experts"], mb["routed_experts"][:, 2:6])
     assert cp.cp_pad_multiple(2, 2) == 8 and cp.cp_pad_multiple(1, 2) == 2
+
+
+def test_cp_config_is_accepted_and_what_has_not_run_is_refused_by_name():
+    from pathlib import Path
+
+    from gspo_megatron.megatron.model import transformer_config
+    from gspo_megatron.megatron.parallel import ParallelConfig
+    from gspo_megatron.testing.models import tiny_moe_config
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.typed_config import ConfigError
+
+    demo = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
+    assert load_config(demo, ["parallel.context_parallel=2"]).parallel.context_parallel == 2
+    with pytest.raises(ConfigError, match=r"^model\.recompute: must be none with parallel\.context_parallel=2"):
+        load_config(demo, ["parallel.context_parallel=2", "model.recompute=selective"])
+    with pytest.raises(ConfigError, match=r"^parallel\.context_parallel: must be 1 for multi-latent attention"):
+        load_config(demo, ["parallel.context_parallel=2", "model.config.architecture=deepseek_v3",
+                           "model.config.kv_lora_rank=16", "model.config.qk_rope_head_dim=8", "model.config.num_key_value_heads=4",
+                           "model.config.v_head_dim=16"])
+    with pytest.raises(ConfigError, match=r"^parallel\.cp_comm_type: must be one of p2p, all_gather, a2a"):
+        load_config(demo, ["parallel.context_parallel=2", "parallel.cp_comm_type=a2a+p2p"])
+    # Transformer Engine's CP algorithm reaches Megatron's config (GPU); unused, and unset, at CP 1
+    assert transformer_config(tiny_moe_config(), ParallelConfig(context_parallel=2, cp_comm_type="a2a")).cp_comm_type == "a2a"
+    assert transformer_config(tiny_moe_config(), ParallelConfig()).cp_comm_type is None
