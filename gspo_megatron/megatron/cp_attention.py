@@ -9,8 +9,8 @@ algorithm:
     out_local      = softmax(scale * Q_local K_full^T + mask) V_full      masked by *global* position
 
 Each CP rank holds chunks r and 2 CP - 1 - r of the 2 CP chunks of the sequence (Megatron's layout,
-``context_parallel.cp_chunk_indices``); the gathered keys come in rank order, so their global positions
-are the concatenation of every rank's chunk indices, and the mask is built (or selected) on those
+``context_parallel.cp_chunk_indices``); the gathered keys come in rank order (their global positions are
+``gathered_positions``) and are put in position order, and the mask is built (or selected) on global
 positions, never by local index. The all-gather's backward is a reduce-scatter: rank r's keys were read by
 every rank's queries, so dL/dK_r is the sum over ranks of their gradient at r's rows.
 
@@ -75,17 +75,18 @@ def gathered_positions(local_len: int, cp_size: int) -> Tensor:
 
 
 def cp_attention_mask(attention_mask: Optional[Tensor], local_len: int, cp_size: int, cp_rank: int,
-                      device=None, rows: slice = slice(None)) -> Tensor:
-    """This rank's bool mask [b|1, 1, r, S] (True = masked) against the all-gathered keys, for its query
-    ``rows`` (default all s_local).
+                      device=None, rows: slice = slice(None), keys: int | None = None) -> Tensor:
+    """This rank's bool mask [b|1, 1, r, K] (True = masked) for its query ``rows`` (default all s_local)
+    against the all-gathered keys in position order, the first ``keys`` of them (default all S).
 
     attention_mask: None (causal by global position) or the whole sequence's mask [b|1, 1, S, S] / [S, S].
     """
     seq_len = local_len * cp_size
     q_pos = cp_chunk_indices(seq_len, cp_size, cp_rank)[rows]
-    k_pos = gathered_positions(local_len, cp_size)
+    keys = seq_len if keys is None else keys
     if attention_mask is None:
-        return (k_pos[None, :] > q_pos[:, None]).to(device).view(1, 1, q_pos.numel(), seq_len)
+        k_pos = torch.arange(keys)
+        return (k_pos[None, :] > q_pos[:, None]).to(device).view(1, 1, q_pos.numel(), keys)
     if attention_mask.dtype != torch.bool:
         raise ValueError(f"{_THIS}: attention_mask must be bool (True = masked), got {attention_mask.dtype}")
     if attention_mask.shape[-2:] != (seq_len, seq_len):
@@ -93,8 +94,7 @@ def cp_attention_mask(attention_mask: Optional[Tensor], local_len: int, cp_size:
                          f"[..., {seq_len}, {seq_len}] (CP={cp_size} x {local_len} local positions), got "
                          f"{tuple(attention_mask.shape)}")
     mask = attention_mask if attention_mask.dim() == 4 else attention_mask.view(1, 1, seq_len, seq_len)
-    dev = mask.device
-    return mask.index_select(2, q_pos.to(dev)).index_select(3, k_pos.to(dev))
+    return mask.index_select(2, q_pos.to(mask.device))[..., :keys]
 
 
 # float32 bytes of one block's attention scores (b x heads x rows x S): small enough that the scores of a
@@ -128,29 +128,36 @@ def cp_core_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask:
     if local_len % 2:
         raise ValueError(f"{_THIS}: {local_len} local positions are not two equal chunks (pad the sequence to a "
                          f"multiple of 2 x CP = {2 * cp_size})")
-    # one collective for keys and values: [s, b * ng * (hn + hv)]
+    # one collective for keys and values: [s, b * ng * (hn + hv)], then position order (a differentiable
+    # index_select), so that a block of queries reads only the keys up to its last position
     k_width = key[0].numel()
     kv = torch.cat([key.reshape(local_len, -1), value.reshape(local_len, -1)], dim=1)
-    kv = gather_sequence(kv, cp_group)
-    k_full = kv[:, :k_width].reshape(cp_size * local_len, *key.shape[1:])
-    v_full = kv[:, k_width:].reshape(cp_size * local_len, *value.shape[1:])
-    rows = block_rows(batch, heads, cp_size * local_len, SCORE_BLOCK_BYTES if block_bytes is None else block_bytes)
+    seq_len = cp_size * local_len
+    order = torch.empty(seq_len, dtype=torch.long)
+    order[gathered_positions(local_len, cp_size)] = torch.arange(seq_len)
+    kv = gather_sequence(kv, cp_group).index_select(0, order.to(kv.device))
+    k_full = kv[:, :k_width].reshape(seq_len, *key.shape[1:])
+    v_full = kv[:, k_width:].reshape(seq_len, *value.shape[1:])
+    q_pos = cp_chunk_indices(seq_len, cp_size, cp_rank)
+    rows = block_rows(batch, heads, seq_len, SCORE_BLOCK_BYTES if block_bytes is None else block_bytes)
 
     def block(start: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         mask = cp_attention_mask(attention_mask, local_len, cp_size, cp_rank, device=q.device,
-                                 rows=slice(start, start + q.shape[0]))
+                                 rows=slice(start, start + q.shape[0]), keys=k.shape[0])
         return sdpa_core_attention(q, k, v, mask, default_causal=False, scale=scale, dropout_p=dropout_p)
 
-    if rows >= local_len:
-        return block(0, query, k_full, v_full)
     outs = []
     for start in range(0, local_len, rows):
         q = query[start:start + rows]
-        if torch.is_grad_enabled():
-            outs.append(checkpoint(block, start, q, k_full, v_full, use_reentrant=False))
+        # causal: no query of the block reads a key past the block's last position (a given mask may be
+        # anything, so it gets every key)
+        keys = int(q_pos[start:start + rows].max()) + 1 if attention_mask is None else seq_len
+        k, v = k_full[:keys], v_full[:keys]
+        if torch.is_grad_enabled() and rows < local_len:
+            outs.append(checkpoint(block, start, q, k, v, use_reentrant=False))
         else:
-            outs.append(block(start, q, k_full, v_full))
-    return torch.cat(outs, dim=0)
+            outs.append(block(start, q, k, v))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 class ContextParallelSDPAttention(SDPAttention):

@@ -32,13 +32,14 @@ LAYOUTS = {
         "cp2": ["parallel.context_parallel=2"]},
     4: {"tp2_ep2": ["parallel.tensor_parallel=2", "parallel.expert_parallel=2"],
         "pp2_dp2": ["parallel.pipeline_parallel=2"],
-        "tp2_pp2": ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"],
-        "cp2_tp2": ["parallel.context_parallel=2", "parallel.tensor_parallel=2"],
-        "cp2_ep2": ["parallel.context_parallel=2", "parallel.expert_parallel=2"]},
+        "tp2_pp2": ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"]},
     8: {"tp2_pp2_ep2_dp2": ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2",
                             "parallel.expert_parallel=2"]},
 }
 STEPS = {1: 4, 2: 4, 4: 2, 8: 2}
+# context parallelism combined, 4 processes, in a spawn of its own (the spawn timeout covers one spawn)
+CP_LAYOUTS_4 = {"cp2_tp2": ["parallel.context_parallel=2", "parallel.tensor_parallel=2"],
+                "cp2_ep2": ["parallel.context_parallel=2", "parallel.expert_parallel=2"]}
 # Float32 sums in another order, amplified by the warm start's 40 Adam steps (a gradient element near
 # Adam's eps moves its weight by up to a whole step): measured on this config at 2 processes, grad norms
 # agree to <= 1e-3 relative, losses (~3e-4) to <= 1.3e-6 absolute, sequence ratios to <= 1.7e-4.
@@ -66,10 +67,10 @@ def _train_layouts(rank, world_size, base_dir, layouts, steps):
     return out
 
 
-def _runs(tmp_path_factory, world_size):
+def _runs(tmp_path_factory, world_size, layouts=None):
     base = tmp_path_factory.mktemp(f"layouts{world_size}")
-    return run_distributed(_train_layouts, world_size, (str(base), LAYOUTS[world_size], STEPS[world_size]),
-                           timeout_s=880)[0]
+    layouts = LAYOUTS[world_size] if layouts is None else layouts
+    return run_distributed(_train_layouts, world_size, (str(base), layouts, STEPS[world_size]), timeout_s=880)[0]
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +138,18 @@ def four(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS[4]))
 def test_four_process_combinations_train_the_same_model(single, four, layout):
     _assert_same_run(four[layout], single, layout)
+
+
+@pytest.fixture(scope="module")
+def four_cp(tmp_path_factory):
+    return _runs(tmp_path_factory, 4, CP_LAYOUTS_4)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(CP_LAYOUTS_4))
+def test_context_parallel_combined_on_four_processes_trains_the_same_model(single, four_cp, layout):
+    _assert_same_run(four_cp[layout], single, layout)
 
 
 @pytest.mark.slow

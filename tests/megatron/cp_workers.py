@@ -60,15 +60,16 @@ def model_checks(model_config) -> dict:
         out[name] = {"ref": _model_run(model_config, ParallelConfig(), tokens, ref_mask),
                      "cp2": _model_run(model_config, ParallelConfig(context_parallel=2), tokens, mask)}
     # query blocks of 3 rows (the scores of a long sequence are never held whole): blocks straddle the
-    # chunk and sequence boundaries, and the backward recomputes each block under checkpointing
+    # chunk and sequence boundaries, causal blocks read only the keys up to their last position, and the
+    # backward recomputes each block under checkpointing
     from gspo_megatron.megatron import cp_attention
 
     default = cp_attention.SCORE_BLOCK_BYTES
     cp_attention.SCORE_BLOCK_BYTES = 3 * 4 * 4 * s * tokens.shape[0]  # 3 rows x 4 heads x S x b float32
     try:
-        out["packed_blocks"] = {"ref": out["packed"]["ref"],
-                                "cp2": _model_run(model_config, ParallelConfig(context_parallel=2), tokens,
-                                                  packed_mask(lengths))}
+        for name, mask in (("padded", None), ("packed", packed_mask(lengths))):
+            out[f"{name}_blocks"] = {"ref": out[name]["ref"],
+                                     "cp2": _model_run(model_config, ParallelConfig(context_parallel=2), tokens, mask)}
     finally:
         cp_attention.SCORE_BLOCK_BYTES = default
     # the packed mask changes the result: the test would notice attention across a boundary
@@ -78,13 +79,14 @@ def model_checks(model_config) -> dict:
 
 def cp_suite(rank: int, world_size: int, model_config, directory: str) -> dict:
     """Everything test_cp_model.py checks, in one spawn of two ranks."""
-    from tests.megatron.train_workers import all_layouts, training_state_across_layouts
+    from tests.megatron.train_workers import all_layouts, replay_after_update, training_state_across_layouts
 
     out = {"model": model_checks(model_config)}
     gspo = {"algorithm": "gspo"}
     out["policy"] = all_layouts(rank, world_size, model_config, ["cp2", "dp2"], gspo, optimizer_steps=2)
     out["policy_entropy"] = all_layouts(rank, world_size, model_config, ["cp2", "dp2"],
                                     {"algorithm": "gspo", "kl_coef": 0.0, "entropy_coef": 0.01})
+    out["replay"] = replay_after_update(rank, world_size, model_config, "cp2")
     out["checkpoint"] = {pair: training_state_across_layouts(rank, world_size, model_config, *pair,
                                                              f"{directory}/{pair[0]}_{pair[1]}")
                          for pair in (("cp2", "dp2"), ("dp2", "cp2"))}

@@ -99,8 +99,9 @@ def test_parameter_gradient_summed_over_cp_equals_unsplit(runs):
 
 
 def test_cp_attention_mask_is_the_causal_mask_at_the_gathered_positions():
-    """CP rank r's mask against the all-gathered keys (rank order) is the causal mask read at its query
-    positions and the keys' global positions, for the default (None) and for a given whole-sequence mask."""
+    """CP rank r's mask is the causal mask's rows at its query positions (the gathered keys, in rank order
+    at ``gathered_positions``, are put back in position order), for the default (None) and for a given
+    whole-sequence mask; a block reads its rows and the first keys."""
     from gspo_megatron.megatron.cp_attention import cp_attention_mask, gathered_positions
 
     full = torch.ones(12, 12, dtype=torch.bool).triu(1)
@@ -108,10 +109,10 @@ def test_cp_attention_mask_is_the_causal_mask_at_the_gathered_positions():
     assert keys.tolist() == [0, 1, 2, 9, 10, 11, 3, 4, 5, 6, 7, 8]
     for rank in range(2):
         rows = cp.cp_chunk_indices(12, 2, rank)
-        want = full[rows][:, keys]
+        want = full[rows]  # the keys are put in position order after the gather
         assert torch.equal(cp_attention_mask(None, 6, 2, rank)[0, 0], want)
         assert torch.equal(cp_attention_mask(full[None, None], 6, 2, rank)[0, 0], want)
-        assert torch.equal(cp_attention_mask(None, 6, 2, rank, rows=slice(2, 5))[0, 0], want[2:5])
+        assert torch.equal(cp_attention_mask(None, 6, 2, rank, rows=slice(2, 5), keys=7)[0, 0], want[2:5, :7])
     with pytest.raises(ValueError, match="covers the whole sequence"):
         cp_attention_mask(full[:6, :6], 6, 2, 0)
 

@@ -16,11 +16,11 @@ def runs(tmp_path_factory):
     return run_distributed(cp_suite, 2, (tiny_moe_config(), str(tmp_path_factory.mktemp("cp_ckpt"))), timeout_s=880)
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed", "packed_blocks"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "padded_blocks", "packed_blocks"])
 def test_logits_and_gradients_at_cp2_equal_one_process(runs, layout):
     """Odd lengths crossing the chunk boundaries: padded rows under the causal mask by global position, and
-    three sequences packed into one row (boundaries inside chunks) under their block-diagonal mask; the
-    latter also with the queries in checkpointed blocks of 3 rows (``cp_attention.SCORE_BLOCK_BYTES``)."""
+    three sequences packed into one row (boundaries inside chunks) under their block-diagonal mask; both
+    also with the queries in checkpointed blocks of 3 rows (``cp_attention.SCORE_BLOCK_BYTES``)."""
     for out in runs:
         ref, got = out["model"][layout]["ref"], out["model"][layout]["cp2"]
         torch.testing.assert_close(got["logits"], ref["logits"], rtol=0, atol=1e-5)
@@ -70,3 +70,17 @@ def test_training_state_checkpoint_moves_between_cp2_and_cp1(runs, pair):
         assert r["lr"][0] == r["lr"][1]
         for name, w in r["expected"].items():
             torch.testing.assert_close(r["got"][name], w, rtol=1e-4, atol=1e-5, msg=f"{pair} {name}")
+
+
+def test_routing_replay_r2_maps_positions_through_the_cp_chunks(runs):
+    """R2 at CP = 2: the recorder puts every rank's chunks back in position order, the replay cuts the
+    stored experts into the chunks again, and the update forward routes exactly as recorded."""
+    from tests.megatron.test_policy_update import _per_sequence
+
+    for out in runs:
+        r = out["replay"]
+        before, free, replayed = (_per_sequence(r[k], r["plan"], r["lengths"], last=True)
+                                  for k in ("before", "free", "replayed"))
+        assert any(not torch.equal(f, b) for f, b in zip(free, before))  # without replay, routing moved
+        for got, want in zip(replayed, before):
+            assert torch.equal(got, want)

@@ -76,27 +76,26 @@ def microbatch_splits(rank, world_size, model_config, budgets, loss) -> dict:
     return {b: policy_step(rank, world_size, model_config, "single", loss, max_tokens=b) for b in budgets}
 
 
-def replay_after_update(rank, world_size, model_config) -> dict:
+def replay_after_update(rank, world_size, model_config, layout: str = "single") -> dict:
     """R2 through PolicyModel: record the experts of the old-policy forward, take a large optimizer step so
-    free routing changes, then the update forward with routed_experts uses exactly the recorded experts."""
+    free routing changes, then the update forward with routed_experts uses exactly the recorded experts.
+    The records are the policy's own (``routing_recorder``: gathered over SP and CP to position order)."""
     from megatron.core import parallel_state as ps
 
-    from gspo_megatron.megatron.routing import RoutingRecorder
-
-    initialize_model_parallel(LAYOUTS["single"], seed=0)
-    policy = PolicyModel(model_config, LAYOUTS["single"], OptimizerConfig(lr=0.5, clip_grad=0.0),
+    initialize_model_parallel(LAYOUTS[layout], seed=0)
+    policy = PolicyModel(model_config, LAYOUTS[layout], OptimizerConfig(lr=0.5, clip_grad=0.0),
                          LossConfig(algorithm="grpo"))
     sharding.load_full_state_dict(policy.module, canonical_weights(model_config, seed=1))
     seqs = make_sequences(model_config)
-    with RoutingRecorder(policy.module) as before:
+    with policy.routing_recorder() as before:
         olds = policy.compute_logprobs(seqs)
     policy.record_routing(seqs, before)
     for q, o in zip(seqs, olds):
         q.old_logprobs = o["logprobs"]
     policy.train_minibatch(seqs)  # a big step: the routers move
-    with RoutingRecorder(policy.module) as free:
+    with policy.routing_recorder() as free:
         policy.compute_logprobs(seqs)
-    with RoutingRecorder(policy.module) as replayed:
+    with policy.routing_recorder() as replayed:
         policy.forward_backward(seqs, replay=True)
     assert ps.get_data_parallel_world_size() == 1
     return {"before": before.routed_experts(), "free": free.routed_experts(), "replayed": replayed.routed_experts(),
