@@ -116,9 +116,10 @@ def cp_core_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask:
     the CP = 1 attention's rows at this rank's positions (fp32: up to summation order).
 
     With a mask SDPA materialises the scores, s_local x S per head. The queries are therefore taken in
-    blocks of ``block_rows`` whose scores fit ``block_bytes`` (default ``SCORE_BLOCK_BYTES``), each under activation checkpointing: the
-    forward keeps only the blocks' outputs, and the backward recomputes one block's scores at a time
-    (attention's forward runs twice; memory stays O(S) per row block instead of O(s_local x S)).
+    blocks of ``block_rows`` whose scores fit ``block_bytes`` (default ``SCORE_BLOCK_BYTES``), each under
+    activation checkpointing: the forward keeps only the blocks' outputs, and the backward recomputes one
+    block's scores at a time (attention's forward runs twice; memory stays O(S) per row block instead of
+    O(s_local x S)). Under the causal default a block reads only the keys up to its last position.
     """
     cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     local_len, batch, heads = query.shape[0], query.shape[1], query.shape[2]
