@@ -20,8 +20,10 @@ forward and a backward and teaches nothing. Such groups are dropped, and further
 informative groups, at most ``rollout.max_generation_rounds`` rounds in all. Informative groups beyond
 ``prompts_per_step`` are discarded (the batch keeps its size, so its normalisers and mini-batches do not
 change with luck). When the rounds run out the step trains on the informative groups it has (counted in
-``filter/underfilled``); with none at all it trains on its first round as generated (zero advantages: the
-optimizer still steps, so the schedule keeps its length).
+``filter/underfilled``), made up with zero-variance groups (advantage 0) to at least
+``train.minibatches_per_step`` sequences, so that no mini-batch is empty and the optimizer still takes its
+steps (the schedule keeps its length). For the same reason a step whose every mini-batch cannot get a
+sequence past the overlong mask trains all its samples (``overlong/mask_lifted``).
 
 Every rank holds the whole gathered batch of every round (``Trainer.rollout``), so every rank takes the
 same decision and trains the same groups: the global normalisers stay exact at any data-parallel size.
@@ -80,6 +82,10 @@ def informative(rewards: Sequence[float]) -> bool:
     return max(rewards) != min(rewards)
 
 
+def _num_samples(groups: Sequence[Group]) -> int:
+    return sum(len(samples) for _, samples, _ in groups)
+
+
 def round_seed(step_seed: int, round_index: int) -> int:
     """The sampling seed of dynamic-sampling round ``round_index`` of a step; round 0 keeps the step's seed,
     so a run that never refills samples exactly what a run without the filter samples."""
@@ -107,6 +113,7 @@ class BatchFiller:
     """The batch-filling stage configured from ``rollout.*`` and ``train.prompts_per_step`` (module docstring)."""
 
     prompts_per_step: int
+    min_samples: int = 1  # train.minibatches_per_step: no mini-batch may be empty
     filter_groups: FilterMode = "none"
     max_generation_rounds: int = 1
     overlong: OverlongMode = "none"
@@ -114,9 +121,11 @@ class BatchFiller:
     max_new_tokens: int = 1
 
     @classmethod
-    def from_config(cls, rollout, prompts_per_step: int) -> "BatchFiller":
-        return cls(prompts_per_step, rollout.filter_groups, rollout.max_generation_rounds, rollout.overlong,
-                   rollout.overlong_buffer_tokens, rollout.max_new_tokens)
+    def from_config(cls, rollout, train) -> "BatchFiller":
+        """From the ``rollout`` and ``train`` config sections."""
+        return cls(train.prompts_per_step, train.minibatches_per_step, rollout.filter_groups,
+                   rollout.max_generation_rounds, rollout.overlong, rollout.overlong_buffer_tokens,
+                   rollout.max_new_tokens)
 
     def fill(self, first: Sequence[Group], next_round: Callable[[int], Sequence[Group]]) -> FilledBatch:
         """The step's training batch from its first round ``first`` and, under dynamic sampling, as many
@@ -133,9 +142,19 @@ class BatchFiller:
                 generated += more
                 kept += [g for g in more if informative(g[2])]
             informative_count = len(kept)
-            batch = kept[:self.prompts_per_step] if kept else generated[:len(first)]
+            batch = kept[:self.prompts_per_step]
+            # too few sequences for the mini-batches: zero-variance groups (advantage 0) make up the count
+            spare = (g for g in generated if not informative(g[2]))
+            while _num_samples(batch) < self.min_samples and len(batch) < len(generated):
+                batch.append(next(spare))
         keep = loss_keep(batch, self.overlong)
-        return FilledBatch(batch, keep, generated, self._metrics(generated, batch, keep, rounds, informative_count))
+        lifted = sum(map(sum, keep)) < self.min_samples
+        if lifted:  # masking would leave a mini-batch empty: this step trains every sample
+            keep = loss_keep(batch, "none")
+        metrics = self._metrics(generated, batch, keep, rounds, informative_count)
+        if self.overlong == "mask":
+            metrics["overlong/mask_lifted"] = float(lifted)
+        return FilledBatch(batch, keep, generated, metrics)
 
     def _shape(self, groups: Sequence[Group]) -> list[Group]:
         return shape_overlong_rewards(groups, self.overlong, self.max_new_tokens, self.overlong_buffer_tokens)

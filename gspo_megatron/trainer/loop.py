@@ -95,7 +95,7 @@ class Trainer:
         self.prompts = PromptIterator(self.train_data, config.train.prompts_per_step, seed=config.data.seed,
                                       shuffle=config.data.shuffle)
         self.rewards = build_reward_pool(config.rewards, on_failures=self._count_reward_failures)
-        self.filler = BatchFiller.from_config(config.rollout, config.train.prompts_per_step)
+        self.filler = BatchFiller.from_config(config.rollout, config.train)
         self.preemption = PreemptionFlag()
         self.preemption.install()
         self.step = 0
