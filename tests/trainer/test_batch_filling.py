@@ -188,6 +188,13 @@ def test_filtered_overlap_run_with_masked_overlong_resumes_exactly_after_sigkill
                 assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
 
 
+# The layout test's loss tolerance is measured on batches that are mostly zero-variance groups (advantage 0);
+# after the filter every advantage is non-zero, so the same float32 noise in the sequence ratios of mini-batch 2
+# (<= 1.7e-4, TOL) reaches the loss through every sequence: measured 6.5e-6 (1.3 %) at DP=2. A real DP error (a
+# local normaliser: 2x; other groups on one rank: other rewards, checked exactly) is far outside 3 %.
+LOSS_TOL = {"pg_loss": dict(rel=3e-2, abs=0.0), "loss": dict(rel=3e-2, abs=0.0)}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_filtered_run_is_the_same_at_dp2(tmp_path_factory):
@@ -210,7 +217,7 @@ def test_filtered_run_is_the_same_at_dp2(tmp_path_factory):
                     "filter/rounds", "filter/groups_dropped", "filter/groups_trained", "filter/reward_mean_generated"):
             if key in a:
                 assert a[key] == b[key], (a["step"], key)
-        for key, tol in TOL.items():
+        for key, tol in {**TOL, **LOSS_TOL}.items():
             if key in a:
                 assert a[key] == pytest.approx(b[key], **tol), (a["step"], key)
 
