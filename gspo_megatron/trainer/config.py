@@ -68,6 +68,15 @@ class RolloutSection:
     # core only when the trainer leaves it idle (its serial Python between parallel ops); 0: equal priority
     engine_nice: int = 19
     sglang: SGLangConfig | None = None  # required with engine: sglang
+    # dynamic sampling (trainer/batch_filling.py, DAPO): zero_variance drops groups whose rewards are all equal
+    # and generates further rounds of prompts_per_step prompts until the step holds prompts_per_step
+    # informative groups, at most max_generation_rounds rounds (then it trains on what it has)
+    filter_groups: Literal["none", "zero_variance"] = "none"
+    max_generation_rounds: int = 3
+    # responses cut at max_new_tokens: mask takes them out of the loss; soft_penalty adds DAPO's linear length
+    # penalty (0 down to -1) over the last overlong_buffer_tokens tokens before max_new_tokens to every reward
+    overlong: Literal["none", "mask", "soft_penalty"] = "none"
+    overlong_buffer_tokens: int = 0
 
     def validate(self, path: str) -> None:
         check(self.samples_per_prompt >= 2, f"{path}.samples_per_prompt",
@@ -79,6 +88,11 @@ class RolloutSection:
         check(0 <= self.engine_nice <= 19, f"{path}.engine_nice", f"must be in 0..19, got {self.engine_nice}")
         check(self.engine != "sglang" or self.sglang is not None, f"{path}.sglang",
               "required with engine: sglang (urls of running servers, or launch settings)")
+        check(self.max_generation_rounds >= 1, f"{path}.max_generation_rounds",
+              f"must be >= 1, got {self.max_generation_rounds}")
+        check(self.overlong != "soft_penalty" or 1 <= self.overlong_buffer_tokens <= self.max_new_tokens,
+              f"{path}.overlong_buffer_tokens", f"must be in 1..rollout.max_new_tokens ({self.max_new_tokens}) "
+              f"with overlong: soft_penalty, got {self.overlong_buffer_tokens}")
 
 
 @dataclasses.dataclass

@@ -33,6 +33,7 @@ from gspo_megatron.megatron.parallel import initialize_model_parallel
 from gspo_megatron.batching import TrainSequence, iter_minibatches, split_for_data_parallel
 from gspo_megatron.megatron.policy_model import PolicyModel
 from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.trainer.batch_filling import BatchFiller, round_seed
 from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, overlap_timing, staleness, trainer_threads
 from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
 from gspo_megatron.trainer.run_dir import claim as claim_run_dir
@@ -94,6 +95,7 @@ class Trainer:
         self.prompts = PromptIterator(self.train_data, config.train.prompts_per_step, seed=config.data.seed,
                                       shuffle=config.data.shuffle)
         self.rewards = build_reward_pool(config.rewards, on_failures=self._count_reward_failures)
+        self.filler = BatchFiller.from_config(config.rollout, config.train)
         self.preemption = PreemptionFlag()
         self.preemption.install()
         self.step = 0
@@ -291,6 +293,8 @@ class Trainer:
             self.faults["engine_restarts"] += int(failed)
             if flight is not None:
                 flight.version = self.step + 1  # generated again by the weights just re-synced
+            if self.ahead is not None:
+                # also after a refill round or an evaluation failed: a rebuilt engine lost the queued requests
                 self._resubmit_ahead(rebuilt=error is not None)
         raise AssertionError("unreachable")
 
@@ -327,6 +331,15 @@ class Trainer:
         batch, reward_metrics = self._score_and_gather(mine, flight.samples, self.config.rollout.samples_per_prompt)
         return batch, reward_metrics, age, overlap_timing(flight)
 
+    def _refill_round(self, round_index: int) -> list:
+        """Dynamic sampling's round ``round_index`` >= 1 of this step (trainer/batch_filling.py): the next
+        prompts, generated now by the current weights (staleness 0 in overlap mode too), gathered on every rank."""
+        sampling = self._rl_sampling(self.step)
+        sampling["seed"] = round_seed(sampling["seed"], round_index)
+        batch, _ = self.rollout(next(self.prompts), samples_per_prompt=self.config.rollout.samples_per_prompt,
+                                **sampling)
+        return batch
+
     def train_step(self) -> dict[str, float]:
         """One GSPO step, the paper's order: 1-2 rollout of G samples per prompt and their rewards; 3 group
         advantages (Eq. 6); 4 old-policy log-probs; 5 reference log-probs (KL > 0); 6 one optimizer step per
@@ -345,6 +358,10 @@ class Trainer:
             age, timing = 0, {}
         else:
             batch, reward_metrics, age, timing = self._rollout_ahead()
+        # dynamic sampling and overlong responses (trainer/batch_filling.py): zero-variance groups replaced
+        # by further rounds, length penalties in the rewards, truncated samples out of the loss
+        filled = self.filler.fill(batch, self._refill_round)
+        batch = filled.batch
         timings["time_rollout_s"] = time.perf_counter() - t0
         if self.engine.releases_memory and self.ahead is None:
             # colocated servers give their GPUs back while the trainer works; sync_weights resumes them
@@ -355,7 +372,7 @@ class Trainer:
         rewards = torch.tensor([r for _, _, rs in batch for r in rs], dtype=torch.float32).view(len(batch), G)
         adv = group_advantages(rewards, estimator=cfg.loss.advantage_estimator, eps=cfg.loss.advantage_eps,
                                batch_norm=cfg.loss.advantage_batch_norm)
-        seqs = _training_sequences(batch, adv.advantages, with_routing=replay == "r3")
+        seqs = _training_sequences(batch, adv.advantages, with_routing=replay == "r3", keep=filled.keep)
         minibatches = list(iter_minibatches(seqs, cfg.train.minibatches_per_step))
         shares = [split_for_data_parallel(mb, self.dp_size, self.dp_rank) for mb in minibatches]
         my_seqs = [q for share in shares for q in share]
@@ -386,6 +403,7 @@ class Trainer:
         metrics.update(combine_minibatches(update_metrics))
         metrics.update(_batch_metrics(batch, rewards, adv.zero_variance))
         metrics["staleness"] = float(age)
+        metrics.update(filled.metrics)
         if self.ahead is not None:
             metrics.update({f"{k}/staleness{age}": v for k, v in list(metrics.items()) if k.startswith("clip_frac")})
             metrics.update(timing)
@@ -620,12 +638,17 @@ def stop_token_ids(tokenizer, hf_dir) -> list[int]:
     return sorted({int(i) for i in ids if i is not None})
 
 
-def _training_sequences(batch, advantages: torch.Tensor, with_routing: bool) -> list[TrainSequence]:
+def _training_sequences(batch, advantages: torch.Tensor, with_routing: bool,
+                        keep: list[list[bool]] | None = None) -> list[TrainSequence]:
     """Step 3's output: one TrainSequence per sample with a non-empty response, in prompt-major order;
-    ``with_routing``: each carries the engine's experts (R3)."""
+    ``with_routing``: each carries the engine's experts (R3); ``keep`` [B][G]: False leaves a sample out
+    (overlong masking, trainer/batch_filling.py)."""
     seqs = []
-    for (prompt, samples, _), group in zip(batch, advantages):
-        for sample, a in zip(samples, group.tolist()):
+    keep = keep if keep is not None else [[True] * len(samples) for _, samples, _ in batch]
+    for (prompt, samples, _), group, kept in zip(batch, advantages, keep):
+        for sample, a, k in zip(samples, group.tolist(), kept):
+            if not k:
+                continue
             tokens = torch.tensor(list(prompt.prompt_ids) + list(sample.response_ids), dtype=torch.long)
             seqs.append(TrainSequence(tokens, len(prompt.prompt_ids), advantage=a,
                                       rollout_logprobs=torch.tensor(sample.logprobs, dtype=torch.float32),
