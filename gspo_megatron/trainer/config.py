@@ -153,10 +153,13 @@ class LoggingSection:
 
 @dataclasses.dataclass
 class CheckpointSection:
-    """Save every ``every_steps`` (0: only at the end and on preemption), keep the last ``keep_last``."""
+    """Save every ``every_steps`` (0: only at the end and on preemption), keep the last ``keep_last``.
+    ``export_hf``: also write a complete Hugging Face folder (weights, config, generation config,
+    tokenizer) to RUN_DIR/hf/step_NNNNNN: never, at the ``end`` of the run, or at ``every_save``."""
 
     every_steps: int = 10
     keep_last: int = 2
+    export_hf: Literal["never", "end", "every_save"] = "never"
 
     def validate(self, path: str) -> None:
         check(self.every_steps >= 0, f"{path}.every_steps", "must be >= 0")

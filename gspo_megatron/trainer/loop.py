@@ -529,6 +529,27 @@ class Trainer:
         dist.barrier()
         return path
 
+    def export_hf(self, checkpoint: Path) -> Path:
+        """checkpoint.export_hf: ``convert megatron-to-hf`` of a saved checkpoint into RUN_DIR/hf/<step>, in
+        its own process (offline conversion needs a process without our process groups); the others wait."""
+        import subprocess
+        import sys
+
+        out = self.run_dir / "hf" / checkpoint.name
+
+        def export() -> None:
+            cmd = [sys.executable, "-m", "gspo_megatron.cli", "convert", "megatron-to-hf", "--megatron-dir",
+                   str(checkpoint), "--out", str(out), "--overwrite", "--no-progress"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                lines = (proc.stderr or proc.stdout).strip().splitlines()
+                raise ValueError(f"checkpoint.export_hf: {' '.join(cmd[2:])} failed: "
+                                 f"{lines[-1] if lines else f'exit {proc.returncode}'}")
+            print(f"exported {out} (Hugging Face folder; {proc.stdout.strip().splitlines()[0]})", flush=True)
+
+        on_main_rank(export, self.is_main)
+        return out
+
     def load_checkpoint(self, path: Path, restore_progress: bool = True) -> None:
         """With ``restore_progress`` (a resume): model, optimizer, schedule, reference, the step, the data
         position and the fault counters. Without: the policy weights only (a training checkpoint or a
@@ -590,7 +611,10 @@ class Trainer:
             last = metrics
             saving = cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0
             if saving or self.step == cfg.train.steps:
-                self.save_checkpoint()
+                saved = self.save_checkpoint()
+                if cfg.checkpoint.export_hf == "every_save" or (cfg.checkpoint.export_hf == "end"
+                                                                and self.step == cfg.train.steps):
+                    self.export_hf(saved)
             if self.preempted():
                 if not saving and self.step != cfg.train.steps:
                     self.save_checkpoint()
