@@ -33,6 +33,42 @@ def fresh_run_dir(base: Path) -> Path:
     return candidate
 
 
+def _run_progress(folder: Path) -> tuple[int | None, int | None]:
+    """(newest saved step, the run's train.steps) of a run folder; None where unknown."""
+    import yaml
+
+    config = folder / "config.yaml"
+    steps = None
+    if config.is_file():
+        loaded = yaml.safe_load(config.read_text()) or {}
+        steps = (loaded.get("train") or {}).get("steps")
+    saved = [int(p.name.removeprefix("step_")) for p in (folder / "checkpoints").glob("step_*")
+             if p.name.removeprefix("step_").isdigit() and (p / "gspo_meta.json").is_file()]
+    return (max(saved) if saved else None), steps
+
+
+def resume_run_dir(base: Path) -> tuple[Path, str]:
+    """The demo run ``--resume`` continues, and why: the newest (last modified) unfinished one of ``base``,
+    ``base-2``, ... (a run is finished when its newest checkpoint is at its train.steps); ``base`` when
+    every run is finished or there is none."""
+    folders = [p for p in base.parent.glob(f"{base.name}*")
+               if p.is_dir() and (p == base or p.name.removeprefix(f"{base.name}-").isdigit())]
+    unfinished = []
+    for folder in folders:
+        saved, steps = _run_progress(folder)
+        if steps is None or saved is None or saved < steps:
+            when = max([folder.stat().st_mtime] + [p.stat().st_mtime for p in folder.iterdir()])
+            unfinished.append((when, folder, saved, steps))
+    if not unfinished:
+        why = (f"every run under {base.parent} is finished" if folders else f"no earlier run under {base.parent}")
+        return base, why + "; nothing newer to continue"
+    _, folder, saved, steps = max(unfinished, key=lambda u: u[0])
+    at = f"saved at step {saved} of {steps}" if saved is not None else "no checkpoint yet: starts over"
+    others = len(unfinished) - 1
+    return folder, (f"the newest unfinished run ({at})"
+                    + (f"; {others} older unfinished run(s) left alone" if others else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_known_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -70,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.run_dir = str(fresh_run_dir(Path("runs") / Path(args.config).stem))
                 argv += ["--run-dir", args.run_dir]
                 print(f"gspo-megatron demo: run folder {args.run_dir}", flush=True)
+            elif args.run_dir is None:
+                folder, why = resume_run_dir(Path("runs") / Path(args.config).stem)
+                args.run_dir = str(folder)
+                argv += ["--run-dir", args.run_dir]
+                print(f"gspo-megatron demo --resume: continuing {args.run_dir}: {why}", flush=True)
         return run_reporting_errors(args.command, lambda: run_training(args, argv))
     if args.command == "eval":
         from gspo_megatron.trainer import evaluate

@@ -100,6 +100,8 @@ class Trainer:
         self.faults = {"skipped_updates": 0, "reward_failures": 0, "engine_restarts": 0}
 
         latest = self.latest_checkpoint() if resume else None
+        if resume and latest is None and self.is_main:
+            print(f"--resume: {self.run_dir} holds no checkpoint yet; starting its run from the beginning", flush=True)
         if latest is not None:
             self.load_checkpoint(latest)
         elif init_checkpoint is not None:
