@@ -208,6 +208,7 @@ class TrainConfig:
               or not (sglang.weight_sync == "tensor" and sglang.release_memory), "rollout.sglang.release_memory",
               "must be false with train.rollout_mode: overlap (the servers generate the next batch while the trainer "
               "trains, so they cannot give their GPU memory back meanwhile)")
+        check_reward_imports(self.rewards)
         responses = self.train.prompts_per_step * self.rollout.samples_per_prompt
         check(responses >= self.train.minibatches_per_step, "train.minibatches_per_step",
               f"must be <= prompts_per_step x samples_per_prompt = {responses}")
@@ -216,6 +217,20 @@ class TrainConfig:
             model, where = ModelConfig.from_hf_dir(self.model.hf_dir), f"{self.model.hf_dir}/config.json:"
         if model is not None:
             check_layout(self.parallel, model, where)
+
+
+def check_reward_imports(rewards: RewardConfig) -> None:
+    """Import each ``module:function`` reward term now, in this process: a failure is one line naming the
+    term (rewards.import_dirs first on the path), not a reward worker's traceback."""
+    from gspo_megatron.rewards.config import BUILTIN_TERMS
+    from gspo_megatron.rewards.terms import RewardSetupError, import_function
+
+    for i, term in enumerate(rewards.terms):
+        if term.name not in BUILTIN_TERMS:
+            try:
+                import_function(term.name, f"rewards.terms[{i}].name", rewards.import_dirs)
+            except RewardSetupError as err:
+                raise ConfigError(str(err)) from None
 
 
 def check_layout(parallel: ParallelConfig, model: ModelConfig, where: str) -> None:
@@ -316,16 +331,47 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         data = loaded or {}
     data = apply_overrides(data, list(overrides))
-    if path is not None and isinstance(data.get("data"), dict):
-        # relative dataset paths are relative to the config file (so examples run from any folder)
-        for key in ("train_files", "eval_files"):
-            files = data["data"].get(key)
-            if isinstance(files, list):
-                data["data"][key] = [str((path.parent / f).resolve()) if isinstance(f, str) and not Path(f).is_absolute()
-                                     and (path.parent / f).exists() else f for f in files]
+    if path is not None:
+        resolve_paths(data, path)
     if "data" not in data:
         raise ConfigError("data: required section is missing (data.train_files at least)")
+    if not isinstance(data.get("model"), dict):
+        raise ConfigError("model: required section is missing (model.hf_dir: a Hugging Face folder, or model.config: "
+                          "an inline architecture as in examples/cpu_demo.yaml)")
     return build(TrainConfig, data, "")
+
+
+# path fields, relative to the config file's folder (command-line overrides too): one rule for all
+PATH_FIELDS = (("data", "train_files"), ("data", "eval_files"), ("model", "hf_dir"), ("model", "tokenizer_dir"),
+               ("rewards", "import_dirs"))
+MUST_EXIST = (("model", "hf_dir"), ("model", "tokenizer_dir"))  # read at start-up; never taken as Hub names
+
+
+def resolve_paths(data: dict, config_file: Path) -> None:
+    """Make the PATH_FIELDS of ``data`` absolute against ``config_file``'s folder (so a config runs from any
+    folder) and default rewards.import_dirs to that folder."""
+    base = config_file.parent
+    rewards = data.setdefault("rewards", {}) if isinstance(data.get("rewards", {}), dict) else None
+    if rewards is not None and "import_dirs" not in rewards:
+        rewards["import_dirs"] = ["."]
+    for section, key in PATH_FIELDS:
+        node = data.get(section)
+        if not isinstance(node, dict) or node.get(key) is None:
+            continue
+        value = node[key]
+        absolute = lambda v: str((base / v).resolve()) if isinstance(v, str) and not Path(v).is_absolute() else v
+        node[key] = [absolute(v) for v in value] if isinstance(value, list) else absolute(value)
+
+
+def check_model_folders(config: TrainConfig, config_file: str | Path | None) -> None:
+    """At the start of a run (not at load: the cluster examples name folders of other machines): the model
+    folders must exist; a name such as ``Qwen/Qwen3-8B`` is a folder beside the config, never a Hub request."""
+    for section, key in MUST_EXIST:
+        value = getattr(getattr(config, section), key)
+        if value is not None and not Path(value).is_dir():
+            where = f"relative paths are relative to the config file {config_file}; " if config_file else ""
+            raise ConfigError(f"{section}.{key}: {value} is not a folder ({where}Hub names are not downloaded: "
+                              f"download the model first, e.g. huggingface-cli download NAME --local-dir DIR)")
 
 
 def save_config(config: TrainConfig, path: Path) -> None:

@@ -56,13 +56,17 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.trainer.config import check_model_folders, load_config
     from gspo_megatron.trainer.loop import Trainer
 
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(launch.local_world_size, 1)))
     config = load_config(args.config, args.overrides)  # validated before any process group exists
+    check_model_folders(config, args.config)
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
+    if args.init_from is not None and config.sft.steps and launch.rank == 0:
+        print(f"--init-from {args.init_from}: training starts from its weights; the warm start (sft.steps="
+              f"{config.sft.steps}) is skipped (--init-from wins; pass sft.steps=0 to silence this)", flush=True)
     parallel.init_process_group(launch.rank, launch.world_size, launch.master_addr, launch.master_port)
     trainer = Trainer(config, run_dir, resume=args.resume, init_checkpoint=args.init_from)
     try:
