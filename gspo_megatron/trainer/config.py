@@ -40,6 +40,9 @@ class ModelSection:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     recompute: Literal["none", "selective", "full"] = "none"
     layer_spec: Literal["auto", "te", "local"] = "auto"
+    # gradient buffers and their all-reduce in fp32 (Megatron's grad_reduce_in_fp32), or in the model's
+    # precision when false (bf16 gradients: 2 B instead of 4 B per parameter; tools/slurm/memory_plan.py)
+    grad_reduce_in_fp32: bool = True
 
     def validate(self, path: str) -> None:
         check((self.hf_dir is None) != (self.config is None), f"{path}.hf_dir",
@@ -47,7 +50,8 @@ class ModelSection:
 
     @property
     def runtime(self) -> ModelRuntime:
-        return ModelRuntime(precision=self.precision, recompute=self.recompute, layer_spec=self.layer_spec)
+        return ModelRuntime(precision=self.precision, recompute=self.recompute, layer_spec=self.layer_spec,
+                            grad_reduce_in_fp32=self.grad_reduce_in_fp32)
 
 
 @dataclasses.dataclass
