@@ -153,6 +153,14 @@ class LoggingSection:
     tensorboard: bool = True
     wandb_project: str | None = None
     console: bool = True
+    # sampled completions (prompt, response, reward) per step to RUN_DIR/completions.jsonl and TensorBoard
+    # text (0: none), and one printed every console_completion_every steps (0: never)
+    completions_per_step: int = 4
+    console_completion_every: int = 10
+
+    def validate(self, path: str) -> None:
+        check(self.completions_per_step >= 0, f"{path}.completions_per_step", "must be >= 0")
+        check(self.console_completion_every >= 0, f"{path}.console_completion_every", "must be >= 0")
 
 
 @dataclasses.dataclass

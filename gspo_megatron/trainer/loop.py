@@ -34,6 +34,7 @@ from gspo_megatron.batching import TrainSequence, iter_minibatches, split_for_da
 from gspo_megatron.megatron.policy_model import PolicyModel
 from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, overlap_timing, staleness, trainer_threads
+from gspo_megatron.trainer import completions
 from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
 from gspo_megatron.trainer.run_dir import claim as claim_run_dir
 from gspo_megatron.trainer.run_dir import on_main_rank
@@ -117,6 +118,7 @@ class Trainer:
         self.sync_weights()
         if self.is_main:
             truncate_after(self.run_dir, self.step if latest is not None else -1)
+            completions.truncate_completions(self.run_dir, self.step if latest is not None else -1)
         self.logger = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=config.logging.tensorboard,
                                     wandb_project=config.logging.wandb_project, total_steps=config.train.steps,
                                     console=config.logging.console)
@@ -397,7 +399,20 @@ class Trainer:
         metrics["time_step_s"] = total
         metrics["tokens_per_s"] = float(sum(q.tokens.numel() for q in seqs)) / max(total, 1e-9)
         metrics.update({f"faults/{k}": float(v) for k, v in self.faults.items()})
+        self.log_completions(batch)
         return metrics
+
+    def log_completions(self, batch) -> None:
+        """A few of the step's completions to RUN_DIR/completions.jsonl, TensorBoard and the console (step 8)."""
+        cfg = self.config.logging
+        if not self.is_main or not cfg.completions_per_step:
+            return
+        step = self.step + 1  # the step this batch trains (logged under it)
+        rows = completions.completion_rows(batch, self.tokenizer, cfg.completions_per_step, step)
+        completions.append_rows(self.run_dir, rows)
+        self.logger.log_text("completions", completions.as_text(rows), step)
+        if cfg.console_completion_every and step % cfg.console_completion_every == 0 and rows:
+            print(completions.console_line(rows[0]), flush=True)
 
     # ---- steps 4 and 6 with Routing Replay and routing drift ----------------------------------------
     def _measures_drift(self, shares: list[list[TrainSequence]]) -> bool:
@@ -476,9 +491,11 @@ class Trainer:
         seed = step_seed(self.config.train.seed + 17, self.step, 0)  # the same on every rank (see rollout)
         greedy, _ = self.rollout(prompts, seed, 1, 0.0, self.config.rollout.max_new_tokens)  # 0: greedy
         out = {"eval_accuracy": sum(float(rs[0] >= 1.0) for _, _, rs in greedy) / max(len(greedy), 1)}
+        sampled = None
         if cfg.pass_k > 1:
             sampled, _ = self.rollout(prompts, seed + 1, cfg.pass_k, cfg.temperature, self.config.rollout.max_new_tokens)
             out[f"eval_pass@{cfg.pass_k}"] = sum(float(max(rs) >= 1.0) for _, _, rs in sampled) / max(len(sampled), 1)
+        self.last_eval_rows = completions.eval_rows(greedy, sampled, self.tokenizer) if self.is_main else []
         return out
 
     def checkpoint_dir(self, step: int) -> Path:

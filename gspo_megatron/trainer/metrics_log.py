@@ -174,6 +174,12 @@ class MetricsLogger:
         if self._display is not None:
             self._display.update(step, values)
 
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        """A text record (TensorBoard's text tab), e.g. sampled completions."""
+        if self.enabled and self._tb is not None:
+            self._tb.add_text(tag, text, global_step=step)
+            self._tb.flush()
+
     def close(self) -> None:
         if not self.enabled:
             return
