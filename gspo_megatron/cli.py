@@ -69,27 +69,40 @@ def resume_run_dir(base: Path) -> tuple[Path, str]:
                     + (f"; {others} older unfinished run(s) left alone" if others else ""))
 
 
-def main(argv: list[str] | None = None) -> int:
-    _quiet_known_warnings()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--debug" in argv:
-        argv.remove("--debug")
-        os.environ[DEBUG_ENV] = "1"
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; its modules import no torch (``--help`` answers at once: tests/test_cli_startup.py)."""
     parser = argparse.ArgumentParser(prog="gspo-megatron", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="print full tracebacks (may go anywhere on the line)")
     sub = parser.add_subparsers(dest="command", required=True)
-    from gspo_megatron.trainer.entry import REPO_EXAMPLES, add_train_arguments
+    from gspo_megatron.trainer.entry import add_train_arguments
 
-    sub.add_parser("smoke", help="tiny MoE forward/backward at EP=2 on two processes vs one process")
+    sub.add_parser("smoke", help="tiny MoE forward/backward at EP=2 on two processes vs one process (a check "
+                                 "that Megatron-Core runs here)",
+                   description="Build a tiny MoE, run forward/backward on two processes with the experts split "
+                               "(EP=2) and on one, and compare logits and gradients.")
     add_train_arguments(sub.add_parser("train", help="GSPO training (one process, torchrun or srun)"))
-    demo = sub.add_parser("demo", help="the CPU demo: train --config examples/cpu_demo.yaml")
+    demo = sub.add_parser("demo", help="the CPU demo: train --config examples/cpu_demo.yaml in runs/cpu_demo[-N]",
+                          description="train --config examples/cpu_demo.yaml in a fresh runs/cpu_demo[-N] folder; "
+                                      "--resume continues the newest unfinished one (and says which)")
     add_train_arguments(demo, config_required=False)
     sub.add_parser("plot", help="PNG charts from run folders' metrics", add_help=False)
     from gspo_megatron.trainer import evaluate
 
     evaluate.add_arguments(sub.add_parser("eval", help="pass@1 / pass@k of a checkpoint on held-out prompts"))
     sub.add_parser("convert", help="checkpoint conversion (see `gspo-megatron convert -h`)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_known_warnings()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in argv:
+        argv.remove("--debug")
+        os.environ[DEBUG_ENV] = "1"
+    from gspo_megatron.trainer.entry import REPO_EXAMPLES
+
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "smoke":
         from gspo_megatron import smoke

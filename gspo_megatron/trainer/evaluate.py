@@ -12,7 +12,6 @@ import os
 import tempfile
 from pathlib import Path
 
-from gspo_megatron.megatron import checkpoint as ckpt
 from gspo_megatron.typed_config import ConfigError, build, to_dict
 
 
@@ -52,6 +51,8 @@ def eval_config(checkpoint_dir: Path, dataset: str, k: int, num_prompts: int, co
     """The training run's config (saved in a training checkpoint, or ``config_file``) pointed at ``dataset``,
     without warm start; a converted checkpoint's own model."""
     from gspo_megatron.trainer.config import TrainConfig, load_config
+
+    from gspo_megatron.megatron import checkpoint as ckpt  # torch: imported when evaluating, not for --help
 
     meta = ckpt.read_meta(checkpoint_dir)
     if config_file is not None:
