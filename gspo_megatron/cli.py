@@ -21,6 +21,10 @@ def _quiet_known_warnings() -> None:
     Engine); on CPU that is expected and drowns the training output. Other warnings stay visible."""
     warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine).*not installed.*")
     warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
+    # Megatron's torch_dist checkpoints go through torch's ShardedTensor and the old DCP entry points: every
+    # save and resume warned about deprecations that are Megatron's to act on, not the user's
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*deprecating ShardedTensor.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r"`(load|save)_state_dict` is deprecated.*")
 
 
 def fresh_run_dir(base: Path) -> Path:

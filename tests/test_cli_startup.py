@@ -54,3 +54,24 @@ def test_every_flag_has_help_text():
 
     missing = list(walk(build_parser(), "gspo-megatron")) + list(walk(convert_parser(), "gspo-megatron convert"))
     assert missing == []
+
+
+def test_known_harmless_warnings_are_silenced_and_others_are_not():
+    import warnings
+
+    from gspo_megatron.cli import _quiet_known_warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _quiet_known_warnings()
+        warnings.warn("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning)
+        warnings.warn("`load_state_dict` is deprecated and will be removed in future versions.", FutureWarning)
+        warnings.warn("something else is deprecated", FutureWarning)
+    assert [str(w.message) for w in caught] == ["something else is deprecated"]
+
+
+def test_reward_metrics_have_the_documented_keys():
+    from gspo_megatron.trainer.loop import reward_metric_keys
+
+    assert reward_metric_keys({"rewards/mean": 0.5, "rewards/synthetic/errors": 1.0}) == {
+        "reward/mean": 0.5, "reward/synthetic/errors": 1.0}

@@ -393,7 +393,7 @@ class Trainer:
         if self.ahead is not None:
             metrics.update({f"{k}/staleness{age}": v for k, v in list(metrics.items()) if k.startswith("clip_frac")})
             metrics.update(timing)
-        metrics.update({f"reward/{k}": v for k, v in reward_metrics.items()})
+        metrics.update(reward_metric_keys(reward_metrics))
         metrics.update(timings)
         total = time.perf_counter() - t0
         metrics["time_step_s"] = total
@@ -661,6 +661,11 @@ def stop_token_ids(tokenizer, hf_dir) -> list[int]:
         eos = json.loads(config.read_text()).get("eos_token_id")
         ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
     return sorted({int(i) for i in ids if i is not None})
+
+
+def reward_metric_keys(reward_metrics: dict[str, float]) -> dict[str, float]:
+    """The reward pool's ``rewards/<term>/mean`` ... as the documented ``reward/<term>/mean`` (docs/training.md)."""
+    return {f"reward/{k.removeprefix('rewards/')}": v for k, v in reward_metrics.items()}
 
 
 def _training_sequences(batch, advantages: torch.Tensor, with_routing: bool) -> list[TrainSequence]:
