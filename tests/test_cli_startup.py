@@ -75,3 +75,13 @@ def test_reward_metrics_have_the_documented_keys():
 
     assert reward_metric_keys({"rewards/mean": 0.5, "rewards/synthetic/errors": 1.0}) == {
         "reward/mean": 0.5, "reward/synthetic/errors": 1.0}
+
+
+def test_install_shows_progress():
+    """tools/setup_env.sh: no silent `pip -q` over the large installs (torch, megatron-core, the package)."""
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[1] / "tools" / "setup_env.sh").read_text()
+    installs = [line.strip() for line in script.splitlines() if "pip install" in line and "--upgrade pip" not in line]
+    assert len(installs) == 3 and all("-q" not in line.split() and "--progress-bar on" in line for line in installs)
+    assert script.count("setup_env: [") == 3
