@@ -96,3 +96,14 @@ def test_init_from_says_the_warm_start_is_skipped(tmp_path):
                           cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"--init-from {ckpt}: training starts from its weights; the warm start (sft.steps=60) is skipped" in proc.stdout
+
+
+def test_run_summary_names_start_and_end_accuracy_time_and_plots(tmp_path):
+    from gspo_megatron.trainer.entry import run_summary
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval_accuracy": 0.5}\n{"step": 1, "reward_mean": 0.1}\n'
+                                            '{"step": 10, "eval_accuracy": 0.875}\n{"step": 20, "eval_accuracy": 0.75}\n')
+    text = run_summary(tmp_path, 31.6)
+    assert text.startswith("summary: held-out greedy accuracy 0.500 at step 0 -> 0.750 at step 20 (+0.250, best 0.875); "
+                           "32 s in this command.")
+    assert f"gspo-megatron plot {tmp_path} (PNGs in {tmp_path}/plots)" in text
