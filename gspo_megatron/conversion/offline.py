@@ -299,8 +299,8 @@ def tokenizer_source(megatron_dir: Path, template: Path | None) -> tuple[Path | 
     """Where the exported folder's tokenizer comes from, and why: the template (``--hf-template``, the
     checkpoint's hf/ folder or the run's ``model.hf_dir``), else the run's ``model.tokenizer_dir``, else
     the repository's demo tokenizer for a run with an inline ``model.config`` (what the trainer used)."""
-    from gspo_megatron.data.tokenizer import demo_tokenizer_path
-
+    # the folder data.tokenizer.demo_tokenizer_path() names (data is a layer above conversion)
+    demo_tokenizer = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
     if _has_tokenizer(template):
         return template, f"the template {template}"
     model = _training_model_section(megatron_dir)
@@ -308,7 +308,7 @@ def tokenizer_source(megatron_dir: Path, template: Path | None) -> tuple[Path | 
         folder = Path(model["tokenizer_dir"])
         return (folder if _has_tokenizer(folder) else None), f"the run's model.tokenizer_dir {folder}"
     if model.get("config") is not None:
-        return Path(demo_tokenizer_path()), "the repository's demo tokenizer (the run's model.config has no tokenizer_dir)"
+        return demo_tokenizer, "the repository's demo tokenizer (the run's model.config has no tokenizer_dir)"
     return None, "no template, no model.tokenizer_dir"
 
 
