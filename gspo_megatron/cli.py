@@ -21,6 +21,10 @@ def _quiet_known_warnings() -> None:
     Engine); on CPU that is expected and drowns the training output. Other warnings stay visible."""
     warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine).*not installed.*")
     warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
+    # Megatron's torch_dist checkpoints go through torch's ShardedTensor and the old DCP entry points: every
+    # save and resume warned about deprecations that are Megatron's to act on, not the user's
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*deprecating ShardedTensor.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r"`(load|save)_state_dict` is deprecated.*")
 
 
 def fresh_run_dir(base: Path) -> Path:
@@ -33,27 +37,76 @@ def fresh_run_dir(base: Path) -> Path:
     return candidate
 
 
-def main(argv: list[str] | None = None) -> int:
-    _quiet_known_warnings()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--debug" in argv:
-        argv.remove("--debug")
-        os.environ[DEBUG_ENV] = "1"
+def _run_progress(folder: Path) -> tuple[int | None, int | None]:
+    """(newest saved step, the run's train.steps) of a run folder; None where unknown."""
+    import yaml
+
+    config = folder / "config.yaml"
+    steps = None
+    if config.is_file():
+        loaded = yaml.safe_load(config.read_text()) or {}
+        steps = (loaded.get("train") or {}).get("steps")
+    saved = [int(p.name.removeprefix("step_")) for p in (folder / "checkpoints").glob("step_*")
+             if p.name.removeprefix("step_").isdigit() and (p / "gspo_meta.json").is_file()]
+    return (max(saved) if saved else None), steps
+
+
+def resume_run_dir(base: Path) -> tuple[Path, str]:
+    """The demo run ``--resume`` continues, and why: the newest (last modified) unfinished one of ``base``,
+    ``base-2``, ... (a run is finished when its newest checkpoint is at its train.steps); ``base`` when
+    every run is finished or there is none."""
+    folders = [p for p in base.parent.glob(f"{base.name}*")
+               if p.is_dir() and (p == base or p.name.removeprefix(f"{base.name}-").isdigit())]
+    unfinished = []
+    for folder in folders:
+        saved, steps = _run_progress(folder)
+        if steps is None or saved is None or saved < steps:
+            when = max([folder.stat().st_mtime] + [p.stat().st_mtime for p in folder.iterdir()])
+            unfinished.append((when, folder, saved, steps))
+    if not unfinished:
+        why = (f"every run under {base.parent} is finished" if folders else f"no earlier run under {base.parent}")
+        return base, why + "; nothing newer to continue"
+    _, folder, saved, steps = max(unfinished, key=lambda u: u[0])
+    at = f"saved at step {saved} of {steps}" if saved is not None else "no checkpoint yet: starts over"
+    others = len(unfinished) - 1
+    return folder, (f"the newest unfinished run ({at})"
+                    + (f"; {others} older unfinished run(s) left alone" if others else ""))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; its modules import no torch (``--help`` answers at once: tests/test_cli_startup.py)."""
     parser = argparse.ArgumentParser(prog="gspo-megatron", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="print full tracebacks (may go anywhere on the line)")
     sub = parser.add_subparsers(dest="command", required=True)
-    from gspo_megatron.trainer.entry import REPO_EXAMPLES, add_train_arguments
+    from gspo_megatron.trainer.entry import add_train_arguments
 
-    sub.add_parser("smoke", help="tiny MoE forward/backward at EP=2 on two processes vs one process")
+    sub.add_parser("smoke", help="tiny MoE forward/backward at EP=2 on two processes vs one process (a check "
+                                 "that Megatron-Core runs here)",
+                   description="Build a tiny MoE, run forward/backward on two processes with the experts split "
+                               "(EP=2) and on one, and compare logits and gradients.")
     add_train_arguments(sub.add_parser("train", help="GSPO training (one process, torchrun or srun)"))
-    demo = sub.add_parser("demo", help="the CPU demo: train --config examples/cpu_demo.yaml")
+    demo = sub.add_parser("demo", help="the CPU demo: train --config examples/cpu_demo.yaml in runs/cpu_demo[-N]",
+                          description="train --config examples/cpu_demo.yaml in a fresh runs/cpu_demo[-N] folder; "
+                                      "--resume continues the newest unfinished one (and says which)")
     add_train_arguments(demo, config_required=False)
     sub.add_parser("plot", help="PNG charts from run folders' metrics", add_help=False)
     from gspo_megatron.trainer import evaluate
 
     evaluate.add_arguments(sub.add_parser("eval", help="pass@1 / pass@k of a checkpoint on held-out prompts"))
     sub.add_parser("convert", help="checkpoint conversion (see `gspo-megatron convert -h`)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_known_warnings()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in argv:
+        argv.remove("--debug")
+        os.environ[DEBUG_ENV] = "1"
+    from gspo_megatron.trainer.entry import REPO_EXAMPLES
+
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "smoke":
         from gspo_megatron import smoke
@@ -70,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.run_dir = str(fresh_run_dir(Path("runs") / Path(args.config).stem))
                 argv += ["--run-dir", args.run_dir]
                 print(f"gspo-megatron demo: run folder {args.run_dir}", flush=True)
+            elif args.run_dir is None:
+                folder, why = resume_run_dir(Path("runs") / Path(args.config).stem)
+                args.run_dir = str(folder)
+                argv += ["--run-dir", args.run_dir]
+                print(f"gspo-megatron demo --resume: continuing {args.run_dir}: {why}", flush=True)
         return run_reporting_errors(args.command, lambda: run_training(args, argv))
     if args.command == "eval":
         from gspo_megatron.trainer import evaluate

@@ -35,13 +35,20 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 stamp=$venv/.gspo-installed
 if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
+  # pip's own progress bars show the large downloads (torch alone can take minutes); a line per stage says
+  # what is being installed and that the next run skips it
+  echo "setup_env: installing into $venv (first time, or setup.py changed)" >&2
   "$venv/bin/python" -m pip install -q --upgrade pip
   if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
-    "$venv/bin/python" -m pip install -q "$torch_spec"
+    echo "setup_env: [1/3] $torch_spec (the largest download; an installed torch is kept)" >&2
+    "$venv/bin/python" -m pip install --progress-bar on "$torch_spec"
   fi
   if [ -n "$megatron_spec" ]; then
-    "$venv/bin/python" -m pip install -q "$megatron_spec"
+    echo "setup_env: [2/3] $megatron_spec" >&2
+    "$venv/bin/python" -m pip install --progress-bar on "$megatron_spec"
   fi
-  "$venv/bin/python" -m pip install -q -e ".[dev]"
+  echo "setup_env: [3/3] gspo-megatron and its dependencies (transformers, ...)" >&2
+  "$venv/bin/python" -m pip install --progress-bar on -e ".[dev]"
+  echo "setup_env: done" >&2
   touch "$stamp"
 fi

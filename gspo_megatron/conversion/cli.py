@@ -38,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("hf-to-megatron", help="Hugging Face folder -> Megatron torch_dist checkpoint")
-    p.add_argument("--hf-dir", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--hf-dir", required=True, help="Hugging Face model folder (config.json, safetensors, tokenizer)")
+    p.add_argument("--out", required=True, help="output folder of the Megatron torch_dist checkpoint")
     _layout_flags(p)
     p.epilog = ("The checkpoint is layout-free (what one process would save) and loads at any TP/PP/EP that "
                 "divides the model; --tp/--pp/--ep check that the layout you plan to use divides it, and the "
@@ -47,26 +47,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                    help="pad the vocabulary to a multiple of N x TP, as Megatron-LM (default 128)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser("megatron-to-hf", help="Megatron torch_dist checkpoint -> Hugging Face folder")
-    p.add_argument("--megatron-dir", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--megatron-dir", required=True,
+                   help="a converted checkpoint or a training one (RUN_DIR/checkpoints/step_NNNNNN)")
+    p.add_argument("--out", required=True, help="output Hugging Face folder")
     p.add_argument("--hf-template", default=None,
-                   help="folder whose config/tokenizer files are copied (default: the checkpoint's hf/ folder)")
+                   help="folder whose config/tokenizer files are copied (default: the checkpoint's hf/ folder, "
+                        "else the training run's model.hf_dir / model.tokenizer_dir, else the demo tokenizer)")
+    p.add_argument("--weights-only", action="store_true",
+                   help="write config, generation config and weights even when no tokenizer can be found")
     p.add_argument("--max-shard-bytes", type=parse_bytes, default=None,
                    help="cap per safetensors file, e.g. 5GB (default: the template's sharding, else 5GB)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast (default: as stored)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser("check", help="compare transformers and Megatron logits on the same tokens")
-    p.add_argument("--hf-dir", required=True)
-    p.add_argument("--megatron-dir", required=True)
+    p.add_argument("--hf-dir", required=True, help="Hugging Face model folder (run by transformers)")
+    p.add_argument("--megatron-dir", required=True, help="Megatron checkpoint of the same model (run by Megatron-Core)")
     _layout_flags(p)
     p.add_argument("--atol", type=float, default=None, help="largest allowed |logit difference| (default 1e-4)")
-    p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seq-len", type=int, default=16, help="length of the random token sequence compared")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens")
     return parser
 
 
@@ -91,7 +95,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "megatron-to-hf":
         out = offline.megatron_to_hf(args.megatron_dir, args.out, args.hf_template, args.max_shard_bytes,
                                      offline.DTYPE_FLAGS[args.dtype] if args.dtype else None,
-                                     overwrite=args.overwrite, progress=not args.no_progress)
+                                     overwrite=args.overwrite, progress=not args.no_progress,
+                                     weights_only=args.weights_only)
         print(f"wrote {out}")
         return 0
     from gspo_megatron.conversion import check

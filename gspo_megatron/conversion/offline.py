@@ -278,6 +278,40 @@ def _config_from_checkpoint(directory: Path) -> ModelConfig | None:
     return None
 
 
+def _training_model_section(directory: Path) -> dict:
+    """The model section of the training config a training checkpoint's gspo_meta.json holds ({} if none)."""
+    meta = directory / "gspo_meta.json"
+    if not meta.is_file():
+        return {}
+    return json.loads(meta.read_text()).get("config", {}).get("model", {}) or {}
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def _has_tokenizer(folder: Path | None) -> bool:
+    return folder is not None and any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model",
+                                                                             "vocab.json"))
+
+
+def tokenizer_source(megatron_dir: Path, template: Path | None) -> tuple[Path | None, str]:
+    """Where the exported folder's tokenizer comes from, and why: the template (``--hf-template``, the
+    checkpoint's hf/ folder or the run's ``model.hf_dir``), else the run's ``model.tokenizer_dir``, else
+    the repository's demo tokenizer for a run with an inline ``model.config`` (what the trainer used)."""
+    # the folder data.tokenizer.demo_tokenizer_path() names (data is a layer above conversion)
+    demo_tokenizer = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
+    if _has_tokenizer(template):
+        return template, f"the template {template}"
+    model = _training_model_section(megatron_dir)
+    if model.get("tokenizer_dir") is not None:
+        folder = Path(model["tokenizer_dir"])
+        return (folder if _has_tokenizer(folder) else None), f"the run's model.tokenizer_dir {folder}"
+    if model.get("config") is not None:
+        return demo_tokenizer, "the repository's demo tokenizer (the run's model.config has no tokenizer_dir)"
+    return None, "no template, no model.tokenizer_dir"
+
+
 def export_config(megatron_dir: Path, hf_template: Path | None) -> tuple[ModelConfig, Path | None]:
     """The model config of a Megatron checkpoint and the template folder for the non-weight files.
 
@@ -287,6 +321,9 @@ def export_config(megatron_dir: Path, hf_template: Path | None) -> tuple[ModelCo
     """
     template = hf_template if hf_template is not None else (
         megatron_dir / HF_FILES_DIR if (megatron_dir / HF_FILES_DIR / "config.json").is_file() else None)
+    run_hf_dir = _training_model_section(megatron_dir).get("hf_dir")
+    if template is None and run_hf_dir is not None and (Path(run_hf_dir) / "config.json").is_file():
+        template = Path(run_hf_dir)  # a training checkpoint of a run that started from a Hugging Face folder
     ours = _config_from_checkpoint(megatron_dir)
     theirs = ModelConfig.from_hf_dir(template) if template is not None else None
     if ours is None and theirs is None:
@@ -302,10 +339,27 @@ def export_config(megatron_dir: Path, hf_template: Path | None) -> tuple[ModelCo
     return (ours or theirs), template
 
 
+def _special_token_ids(tokenizer_dir: Path) -> dict[str, int]:
+    """eos / pad / bos ids of a tokenizer folder (the ids generation needs to stop and to pad)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    ids = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id}
+    if ids["pad_token_id"] is None:
+        ids["pad_token_id"] = ids["eos_token_id"]
+    return {k: int(v) for k, v in ids.items() if v is not None}
+
+
 def _write_hf_config(template: Path | None, config: ModelConfig, dest: Path, dtype: torch.dtype | None,
-                     stored_dtype: torch.dtype) -> None:
+                     stored_dtype: torch.dtype, tokenizer: Path | None = None) -> None:
     """The template's files (config.json re-dtyped when casting), else a config.json and a
-    generation_config.json made from the model config (no tokenizer: there is none to copy)."""
+    generation_config.json made from the model config with the tokenizer's eos / pad / bos ids;
+    ``tokenizer``: the folder whose tokenizer files are copied when the template has none."""
+    if tokenizer is not None and tokenizer != template:
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            if (tokenizer / name).is_file():
+                shutil.copyfile(tokenizer / name, dest / name)
     if template is not None:
         copy_hf_side_files(template, dest)
         if dtype is None:
@@ -315,7 +369,12 @@ def _write_hf_config(template: Path | None, config: ModelConfig, dest: Path, dty
         import transformers
 
         data = config.to_hf_dict()
-        transformers.GenerationConfig.from_model_config(config.to_hf_config()).save_pretrained(dest)
+        special = _special_token_ids(tokenizer) if tokenizer is not None else {}
+        data.update(special)
+        generation = transformers.GenerationConfig.from_model_config(config.to_hf_config())
+        for key, value in special.items():
+            setattr(generation, key, value)
+        generation.save_pretrained(dest)
     key = "torch_dtype" if "torch_dtype" in data and "dtype" not in data else "dtype"
     data[key] = str(dtype or stored_dtype).removeprefix("torch.")
     _write_json(dest / "config.json", data)
@@ -323,8 +382,14 @@ def _write_hf_config(template: Path | None, config: ModelConfig, dest: Path, dty
 
 def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, hf_template: str | Path | None = None,
                    max_shard_bytes: int | None = None, dtype: torch.dtype | None = None,
-                   overwrite: bool = False, progress: bool = True, read_batch_bytes: int = READ_BATCH_BYTES) -> Path:
+                   overwrite: bool = False, progress: bool = True, read_batch_bytes: int = READ_BATCH_BYTES,
+                   weights_only: bool = False) -> Path:
     """Convert a torch_dist checkpoint (any layout it was saved at) into a Hugging Face folder.
+
+    The folder is complete (config, generation config with eos / pad ids, tokenizer): the files come from
+    ``hf_template``, else the checkpoint's hf/ folder, else the training run's ``model.hf_dir`` /
+    ``model.tokenizer_dir`` (or the demo tokenizer), and the source is printed. Without a tokenizer it is
+    refused, unless ``weights_only`` (config, generation config and weights only).
 
     Without ``max_shard_bytes`` the template's shard assignment is reused when its index names the same
     tensors (so a round trip reproduces the index), else shards are capped at 5 GB; with it, shards are
@@ -332,11 +397,12 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, hf_template: s
     """
     with one_intra_op_thread():
         return _megatron_to_hf(Path(megatron_dir), Path(out_dir), Path(hf_template) if hf_template else None,
-                               max_shard_bytes, dtype, overwrite, progress, read_batch_bytes)
+                               max_shard_bytes, dtype, overwrite, progress, read_batch_bytes, weights_only)
 
 
 def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_shard_bytes: int | None,
-                    dtype: torch.dtype | None, overwrite: bool, progress: bool, read_batch_bytes: int) -> Path:
+                    dtype: torch.dtype | None, overwrite: bool, progress: bool, read_batch_bytes: int,
+                    weights_only: bool = False) -> Path:
     config, template = export_config(megatron_dir, template)
     inputs = (megatron_dir,) + ((template,) if template else ())
     check_output(out, overwrite, inputs)
@@ -346,6 +412,14 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
     _check_table_matches_model(entries, layout, config)
     with dcp_io.CheckpointReader(megatron_dir) as reader:
         requests = {r.name: r for r in dcp_io.requests_for(layout, reader, config.vocab_size)}
+        tokenizer, why = tokenizer_source(megatron_dir, template)
+        if tokenizer is None and not weights_only:
+            raise ConversionError(f"{megatron_dir}: no tokenizer to export ({why}): pass --hf-template with the "
+                                  f"model's Hugging Face folder (config and tokenizer files), or --weights-only for "
+                                  f"a folder without a tokenizer")
+        print(f"side files (config, generation config, tokenizer) from "
+              f"{template if template is not None else 'the checkpoint model config'}"
+              + (f"; tokenizer from {why}" if tokenizer is not None and tokenizer != template else ""), flush=True)
         items = reader.plan(list(requests.values()))
         specs = [spec for e in entries
                  for spec in _hf_specs(e, layout.chunks[e.megatron], dtype or requests[e.megatron].dtype)]
@@ -378,7 +452,8 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
                             shards.write(name, tensor.to(dtype) if dtype is not None else tensor)
             if plan.index is not None:
                 write_index(tmp, plan.index)
-            _write_hf_config(template, config, tmp, dtype, next(iter(requests.values())).dtype)
+            _write_hf_config(template, config, tmp, dtype, next(iter(requests.values())).dtype,
+                             None if weights_only else tokenizer)
     return out
 
 

@@ -33,6 +33,9 @@ class ModelRuntime:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     recompute: Literal["none", "selective", "full"] = "none"
     layer_spec: Literal["auto", "te", "local"] = "auto"
+    # Megatron DDP's main-grad buffers (and their all-reduce) in fp32 (default) or, when false, in the
+    # parameter dtype: bf16 gradients halve their memory (tools/slurm/memory_plan.py --grad-dtype bf16)
+    grad_reduce_in_fp32: bool = True
 
     def validate(self, path: str) -> None:
         check(self.precision in PRECISIONS, f"{path}.precision", f"must be fp32, bf16 or fp16, got {self.precision!r}")
@@ -379,12 +382,13 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: torc
     return gpt
 
 
-def wrap_ddp(model, parallel: ParallelConfig):
-    """Megatron DDP around ``model``, with grads reduced in fp32 and ``finalize_model_grads`` installed
-    in the model config (it all-reduces SP norm and tied-embedding grads and scales expert grads)."""
+def wrap_ddp(model, parallel: ParallelConfig, grad_reduce_in_fp32: bool = True):
+    """Megatron DDP around ``model``, with grads reduced in fp32 (or in the parameter dtype) and
+    ``finalize_model_grads`` installed in the model config (it all-reduces SP norm and tied-embedding grads
+    and scales expert grads)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=False,
                                                use_distributed_optimizer=parallel.distributed_optimizer)
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     model.config.finalize_model_grads_func = finalize_model_grads

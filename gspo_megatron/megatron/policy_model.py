@@ -172,7 +172,7 @@ class PolicyModel:
             self.module.requires_grad_(False)
             self.ddp = self.optimizer = self.scheduler = None
             return
-        self.ddp = wrap_ddp(self.module, parallel)
+        self.ddp = wrap_ddp(self.module, parallel, self.runtime.grad_reduce_in_fp32)
         self.reset_optimizer()
 
     def reset_optimizer(self, lr: float | None = None) -> None:

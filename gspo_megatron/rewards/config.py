@@ -48,6 +48,9 @@ class RewardConfig:
         (a batched term gets timeout_s times its batch length; an async chunk gets timeout_s + 5).
     async_chunk_size: responses per task for async per-response functions (awaited concurrently).
     startup_timeout_s: how long workers may take to start and import the reward functions.
+    import_dirs: folders put first on the import path for ``module:function`` terms (default: the config
+        file's folder, so a reward module beside the config imports); a training run imports each custom
+        term at start-up, and a failure is one line naming the term (trainer/config.py).
     """
 
     terms: list[RewardTermConfig] = dataclasses.field(default_factory=lambda: [RewardTermConfig("math")])
@@ -57,6 +60,7 @@ class RewardConfig:
     startup_timeout_s: float = 120.0
     math: MathRewardConfig = dataclasses.field(default_factory=MathRewardConfig)
     code: CodeRewardConfig = dataclasses.field(default_factory=CodeRewardConfig)
+    import_dirs: list[str] = dataclasses.field(default_factory=list)
 
     def validate(self, path: str) -> None:
         check(len(self.terms) > 0, f"{path}.terms", "needs at least one reward term")

@@ -10,6 +10,7 @@ import functools
 import importlib
 import inspect
 import math
+import traceback
 from typing import Any, Callable, Mapping, Sequence
 
 from gspo_megatron.rewards.config import RewardConfig, RewardTermConfig
@@ -40,12 +41,23 @@ class RewardSetupError(RuntimeError):
     """A reward term cannot be built (bad import path, not callable, ...): raised at start-up."""
 
 
-def import_function(path: str, where: str) -> Callable[..., Any]:
+def import_function(path: str, where: str, import_dirs: Sequence[str] = ()) -> Callable[..., Any]:
+    """``module:function`` imported with ``import_dirs`` first on the import path (rewards.import_dirs)."""
+    import sys
+
+    for folder in reversed(import_dirs):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
     module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise RewardSetupError(f"{where}: cannot import module {module_name!r}: {err}") from err
+        looked = f" (looked in {', '.join(import_dirs)} and the Python path)" if import_dirs else ""
+        raise RewardSetupError(f"{where}: cannot import module {module_name!r}: {err}{looked}") from err
+    except Exception as err:  # noqa: BLE001 - the user's module failed while importing: name it and where
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        raise RewardSetupError(f"{where}: importing {module_name!r} failed: {type(err).__name__}: {err} "
+                               f"({frame.filename}:{frame.lineno})") from err
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         raise RewardSetupError(f"{where}: {module_name!r} has no callable {attr!r}")
@@ -68,7 +80,7 @@ def build_term(term: RewardTermConfig, cfg: RewardConfig, where: str) -> Term:
 
         fn = synthetic_reward
     else:
-        fn = import_function(term.name, f"{where}.name")
+        fn = import_function(term.name, f"{where}.name", cfg.import_dirs)
     # a callable object with ``async def __call__`` counts as async too
     is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
     return Term(term.metric_key, term.weight, fn, is_async, term.batched)

@@ -40,6 +40,9 @@ class ModelSection:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     recompute: Literal["none", "selective", "full"] = "none"
     layer_spec: Literal["auto", "te", "local"] = "auto"
+    # gradient buffers and their all-reduce in fp32 (Megatron's grad_reduce_in_fp32), or in the model's
+    # precision when false (bf16 gradients: 2 B instead of 4 B per parameter; tools/slurm/memory_plan.py)
+    grad_reduce_in_fp32: bool = True
 
     def validate(self, path: str) -> None:
         check((self.hf_dir is None) != (self.config is None), f"{path}.hf_dir",
@@ -47,7 +50,8 @@ class ModelSection:
 
     @property
     def runtime(self) -> ModelRuntime:
-        return ModelRuntime(precision=self.precision, recompute=self.recompute, layer_spec=self.layer_spec)
+        return ModelRuntime(precision=self.precision, recompute=self.recompute, layer_spec=self.layer_spec,
+                            grad_reduce_in_fp32=self.grad_reduce_in_fp32)
 
 
 @dataclasses.dataclass
@@ -163,14 +167,25 @@ class LoggingSection:
     tensorboard: bool = True
     wandb_project: str | None = None
     console: bool = True
+    # sampled completions (prompt, response, reward) per step to RUN_DIR/completions.jsonl and TensorBoard
+    # text (0: none), and one printed every console_completion_every steps (0: never)
+    completions_per_step: int = 4
+    console_completion_every: int = 10
+
+    def validate(self, path: str) -> None:
+        check(self.completions_per_step >= 0, f"{path}.completions_per_step", "must be >= 0")
+        check(self.console_completion_every >= 0, f"{path}.console_completion_every", "must be >= 0")
 
 
 @dataclasses.dataclass
 class CheckpointSection:
-    """Save every ``every_steps`` (0: only at the end and on preemption), keep the last ``keep_last``."""
+    """Save every ``every_steps`` (0: only at the end and on preemption), keep the last ``keep_last``.
+    ``export_hf``: also write a complete Hugging Face folder (weights, config, generation config,
+    tokenizer) to RUN_DIR/hf/step_NNNNNN: never, at the ``end`` of the run, or at ``every_save``."""
 
     every_steps: int = 10
     keep_last: int = 2
+    export_hf: Literal["never", "end", "every_save"] = "never"
 
     def validate(self, path: str) -> None:
         check(self.every_steps >= 0, f"{path}.every_steps", "must be >= 0")
@@ -219,6 +234,7 @@ class TrainConfig:
               or not (sglang.weight_sync == "tensor" and sglang.release_memory), "rollout.sglang.release_memory",
               "must be false with train.rollout_mode: overlap (the servers generate the next batch while the trainer "
               "trains, so they cannot give their GPU memory back meanwhile)")
+        check_reward_imports(self.rewards)
         responses = self.train.prompts_per_step * self.rollout.samples_per_prompt
         check(responses >= self.train.minibatches_per_step, "train.minibatches_per_step",
               f"must be <= prompts_per_step x samples_per_prompt = {responses}")
@@ -227,6 +243,20 @@ class TrainConfig:
             model, where = ModelConfig.from_hf_dir(self.model.hf_dir), f"{self.model.hf_dir}/config.json:"
         if model is not None:
             check_layout(self.parallel, model, where)
+
+
+def check_reward_imports(rewards: RewardConfig) -> None:
+    """Import each ``module:function`` reward term now, in this process: a failure is one line naming the
+    term (rewards.import_dirs first on the path), not a reward worker's traceback."""
+    from gspo_megatron.rewards.config import BUILTIN_TERMS
+    from gspo_megatron.rewards.terms import RewardSetupError, import_function
+
+    for i, term in enumerate(rewards.terms):
+        if term.name not in BUILTIN_TERMS:
+            try:
+                import_function(term.name, f"rewards.terms[{i}].name", rewards.import_dirs)
+            except RewardSetupError as err:
+                raise ConfigError(str(err)) from None
 
 
 def check_layout(parallel: ParallelConfig, model: ModelConfig, where: str) -> None:
@@ -330,16 +360,47 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         data = loaded or {}
     data = apply_overrides(data, list(overrides))
-    if path is not None and isinstance(data.get("data"), dict):
-        # relative dataset paths are relative to the config file (so examples run from any folder)
-        for key in ("train_files", "eval_files"):
-            files = data["data"].get(key)
-            if isinstance(files, list):
-                data["data"][key] = [str((path.parent / f).resolve()) if isinstance(f, str) and not Path(f).is_absolute()
-                                     and (path.parent / f).exists() else f for f in files]
+    if path is not None:
+        resolve_paths(data, path)
     if "data" not in data:
         raise ConfigError("data: required section is missing (data.train_files at least)")
+    if not isinstance(data.get("model"), dict):
+        raise ConfigError("model: required section is missing (model.hf_dir: a Hugging Face folder, or model.config: "
+                          "an inline architecture as in examples/cpu_demo.yaml)")
     return build(TrainConfig, data, "")
+
+
+# path fields, relative to the config file's folder (command-line overrides too): one rule for all
+PATH_FIELDS = (("data", "train_files"), ("data", "eval_files"), ("model", "hf_dir"), ("model", "tokenizer_dir"),
+               ("rewards", "import_dirs"))
+MUST_EXIST = (("model", "hf_dir"), ("model", "tokenizer_dir"))  # read at start-up; never taken as Hub names
+
+
+def resolve_paths(data: dict, config_file: Path) -> None:
+    """Make the PATH_FIELDS of ``data`` absolute against ``config_file``'s folder (so a config runs from any
+    folder) and default rewards.import_dirs to that folder."""
+    base = config_file.parent
+    rewards = data.setdefault("rewards", {}) if isinstance(data.get("rewards", {}), dict) else None
+    if rewards is not None and "import_dirs" not in rewards:
+        rewards["import_dirs"] = ["."]
+    for section, key in PATH_FIELDS:
+        node = data.get(section)
+        if not isinstance(node, dict) or node.get(key) is None:
+            continue
+        value = node[key]
+        absolute = lambda v: str((base / v).resolve()) if isinstance(v, str) and not Path(v).is_absolute() else v
+        node[key] = [absolute(v) for v in value] if isinstance(value, list) else absolute(value)
+
+
+def check_model_folders(config: TrainConfig, config_file: str | Path | None) -> None:
+    """At the start of a run (not at load: the cluster examples name folders of other machines): the model
+    folders must exist; a name such as ``Qwen/Qwen3-8B`` is a folder beside the config, never a Hub request."""
+    for section, key in MUST_EXIST:
+        value = getattr(getattr(config, section), key)
+        if value is not None and not Path(value).is_dir():
+            where = f"relative paths are relative to the config file {config_file}; " if config_file else ""
+            raise ConfigError(f"{section}.{key}: {value} is not a folder ({where}Hub names are not downloaded: "
+                              f"download the model first, e.g. huggingface-cli download NAME --local-dir DIR)")
 
 
 def save_config(config: TrainConfig, path: Path) -> None:

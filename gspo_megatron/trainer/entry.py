@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 REPO_EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -56,18 +57,42 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.trainer.config import check_model_folders, load_config
     from gspo_megatron.trainer.loop import Trainer
 
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(launch.local_world_size, 1)))
     config = load_config(args.config, args.overrides)  # validated before any process group exists
+    check_model_folders(config, args.config)
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
+    if args.init_from is not None and config.sft.steps and launch.rank == 0:
+        print(f"--init-from {args.init_from}: training starts from its weights; the warm start (sft.steps="
+              f"{config.sft.steps}) is skipped (--init-from wins; pass sft.steps=0 to silence this)", flush=True)
     parallel.init_process_group(launch.rank, launch.world_size, launch.master_addr, launch.master_port)
+    started = time.monotonic()
     trainer = Trainer(config, run_dir, resume=args.resume, init_checkpoint=args.init_from)
     try:
         trainer.run()
     finally:
         trainer.close()
         parallel.destroy()
+    if launch.rank == 0:
+        print(run_summary(run_dir, time.monotonic() - started), flush=True)
     return 0
+
+
+def run_summary(run_dir: Path, seconds: float) -> str:
+    """The closing paragraph: held-out accuracy at the first and the last evaluation, time, where things are."""
+    from gspo_megatron.trainer.metrics_log import metrics_path, read_metrics
+
+    records = read_metrics(metrics_path(run_dir)) if metrics_path(run_dir).exists() else []
+    evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
+    if len(evals) >= 2:
+        (s0, a0), (s1, a1) = evals[0], evals[-1]
+        accuracy = (f"held-out greedy accuracy {a0:.3f} at step {s0} -> {a1:.3f} at step {s1} "
+                    f"({a1 - a0:+.3f}, best {max(a for _, a in evals):.3f})")
+    else:
+        accuracy = "fewer than two held-out evaluations"
+    return (f"summary: {accuracy}; {seconds:.0f} s in this command. Run folder {run_dir}: metrics.jsonl, "
+            f"completions.jsonl, checkpoints/, tensorboard/; charts: gspo-megatron plot {run_dir} "
+            f"(PNGs in {run_dir}/plots)")

@@ -12,7 +12,6 @@ import os
 import tempfile
 from pathlib import Path
 
-from gspo_megatron.megatron import checkpoint as ckpt
 from gspo_megatron.typed_config import ConfigError, build, to_dict
 
 
@@ -22,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=4, help="samples per prompt for pass@k (default 4)")
     parser.add_argument("--num-prompts", type=int, default=1000, help="evaluate at most this many prompts")
     parser.add_argument("--out", default=None, help="write the results as JSON here (a file; not an existing folder)")
+    parser.add_argument("--outputs", default=None, metavar="FILE.jsonl",
+                        help="write each prompt's outputs here: prompt, answer, greedy response and reward, the pass@k "
+                             "samples and their rewards")
     parser.add_argument("--config", default=None,
                         help="training YAML for reward/rollout settings (default: the one a training checkpoint holds; "
                              "required for a converted checkpoint)")
@@ -49,6 +51,8 @@ def eval_config(checkpoint_dir: Path, dataset: str, k: int, num_prompts: int, co
     """The training run's config (saved in a training checkpoint, or ``config_file``) pointed at ``dataset``,
     without warm start; a converted checkpoint's own model."""
     from gspo_megatron.trainer.config import TrainConfig, load_config
+
+    from gspo_megatron.megatron import checkpoint as ckpt  # torch: imported when evaluating, not for --help
 
     meta = ckpt.read_meta(checkpoint_dir)
     if config_file is not None:
@@ -78,8 +82,9 @@ def run_eval(args: argparse.Namespace) -> dict:
 
     processes.kill_forked_children_with_parent()
     checkpoint_dir = Path(args.checkpoint)
-    if args.out:
-        check_out_path(Path(args.out))
+    for out in (args.out, args.outputs):
+        if out:
+            check_out_path(Path(out))
     config = eval_config(checkpoint_dir, args.dataset, args.k, args.num_prompts, args.config)
     launch = resolve_launch(os.environ)
     os.environ.update(export_for_torch(launch, os.environ))
@@ -88,6 +93,7 @@ def run_eval(args: argparse.Namespace) -> dict:
         trainer = Trainer(config, scratch, init_checkpoint=checkpoint_dir)
         try:
             results = trainer.evaluate()
+            rows = trainer.last_eval_rows
         finally:
             trainer.close()
             parallel.destroy()
@@ -101,4 +107,10 @@ def run_eval(args: argparse.Namespace) -> dict:
             tmp = out.with_name(out.name + ".tmp")
             tmp.write_text(text + "\n")
             tmp.replace(out)
+        if args.outputs:
+            out = Path(args.outputs)
+            tmp = out.with_name(out.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+            tmp.replace(out)
+            print(f"per-prompt outputs: {out}", flush=True)
     return results

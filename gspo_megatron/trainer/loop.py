@@ -35,6 +35,7 @@ from gspo_megatron.megatron.policy_model import PolicyModel
 from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.trainer.batch_filling import BatchFiller, round_seed
 from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, overlap_timing, staleness, trainer_threads
+from gspo_megatron.trainer import completions
 from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
 from gspo_megatron.trainer.run_dir import claim as claim_run_dir
 from gspo_megatron.trainer.run_dir import on_main_rank
@@ -102,6 +103,8 @@ class Trainer:
         self.faults = {"skipped_updates": 0, "reward_failures": 0, "engine_restarts": 0}
 
         latest = self.latest_checkpoint() if resume else None
+        if resume and latest is None and self.is_main:
+            print(f"--resume: {self.run_dir} holds no checkpoint yet; starting its run from the beginning", flush=True)
         if latest is not None:
             self.load_checkpoint(latest)
         elif init_checkpoint is not None:
@@ -117,6 +120,7 @@ class Trainer:
         self.sync_weights()
         if self.is_main:
             truncate_after(self.run_dir, self.step if latest is not None else -1)
+            completions.truncate_completions(self.run_dir, self.step if latest is not None else -1)
         self.logger = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=config.logging.tensorboard,
                                     wandb_project=config.logging.wandb_project, total_steps=config.train.steps,
                                     console=config.logging.console)
@@ -407,13 +411,26 @@ class Trainer:
         if self.ahead is not None:
             metrics.update({f"{k}/staleness{age}": v for k, v in list(metrics.items()) if k.startswith("clip_frac")})
             metrics.update(timing)
-        metrics.update({f"reward/{k}": v for k, v in reward_metrics.items()})
+        metrics.update(reward_metric_keys(reward_metrics))
         metrics.update(timings)
         total = time.perf_counter() - t0
         metrics["time_step_s"] = total
         metrics["tokens_per_s"] = float(sum(q.tokens.numel() for q in seqs)) / max(total, 1e-9)
         metrics.update({f"faults/{k}": float(v) for k, v in self.faults.items()})
+        self.log_completions(batch)
         return metrics
+
+    def log_completions(self, batch) -> None:
+        """A few of the step's completions to RUN_DIR/completions.jsonl, TensorBoard and the console (step 8)."""
+        cfg = self.config.logging
+        if not self.is_main or not cfg.completions_per_step:
+            return
+        step = self.step + 1  # the step this batch trains (logged under it)
+        rows = completions.completion_rows(batch, self.tokenizer, cfg.completions_per_step, step)
+        completions.append_rows(self.run_dir, rows)
+        self.logger.log_text("completions", completions.as_text(rows), step)
+        if cfg.console_completion_every and step % cfg.console_completion_every == 0 and rows:
+            print(completions.console_line(rows[0]), flush=True)
 
     # ---- steps 4 and 6 with Routing Replay and routing drift ----------------------------------------
     def _measures_drift(self, shares: list[list[TrainSequence]]) -> bool:
@@ -492,9 +509,11 @@ class Trainer:
         seed = step_seed(self.config.train.seed + 17, self.step, 0)  # the same on every rank (see rollout)
         greedy, _ = self.rollout(prompts, seed, 1, 0.0, self.config.rollout.max_new_tokens)  # 0: greedy
         out = {"eval_accuracy": sum(float(rs[0] >= 1.0) for _, _, rs in greedy) / max(len(greedy), 1)}
+        sampled = None
         if cfg.pass_k > 1:
             sampled, _ = self.rollout(prompts, seed + 1, cfg.pass_k, cfg.temperature, self.config.rollout.max_new_tokens)
             out[f"eval_pass@{cfg.pass_k}"] = sum(float(max(rs) >= 1.0) for _, _, rs in sampled) / max(len(sampled), 1)
+        self.last_eval_rows = completions.eval_rows(greedy, sampled, self.tokenizer) if self.is_main else []
         return out
 
     def checkpoint_dir(self, step: int) -> Path:
@@ -546,6 +565,27 @@ class Trainer:
                 shutil.rmtree(old)
         dist.barrier()
         return path
+
+    def export_hf(self, checkpoint: Path) -> Path:
+        """checkpoint.export_hf: ``convert megatron-to-hf`` of a saved checkpoint into RUN_DIR/hf/<step>, in
+        its own process (offline conversion needs a process without our process groups); the others wait."""
+        import subprocess
+        import sys
+
+        out = self.run_dir / "hf" / checkpoint.name
+
+        def export() -> None:
+            cmd = [sys.executable, "-m", "gspo_megatron.cli", "convert", "megatron-to-hf", "--megatron-dir",
+                   str(checkpoint), "--out", str(out), "--overwrite", "--no-progress"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                lines = (proc.stderr or proc.stdout).strip().splitlines()
+                raise ValueError(f"checkpoint.export_hf: {' '.join(cmd[2:])} failed: "
+                                 f"{lines[-1] if lines else f'exit {proc.returncode}'}")
+            print(f"exported {out} (Hugging Face folder; {proc.stdout.strip().splitlines()[0]})", flush=True)
+
+        on_main_rank(export, self.is_main)
+        return out
 
     def load_checkpoint(self, path: Path, restore_progress: bool = True) -> None:
         """With ``restore_progress`` (a resume): model, optimizer, schedule, reference, the step, the data
@@ -608,7 +648,10 @@ class Trainer:
             last = metrics
             saving = cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0
             if saving or self.step == cfg.train.steps:
-                self.save_checkpoint()
+                saved = self.save_checkpoint()
+                if cfg.checkpoint.export_hf == "every_save" or (cfg.checkpoint.export_hf == "end"
+                                                                and self.step == cfg.train.steps):
+                    self.export_hf(saved)
             if self.preempted():
                 if not saving and self.step != cfg.train.steps:
                     self.save_checkpoint()
@@ -636,6 +679,11 @@ def stop_token_ids(tokenizer, hf_dir) -> list[int]:
         eos = json.loads(config.read_text()).get("eos_token_id")
         ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
     return sorted({int(i) for i in ids if i is not None})
+
+
+def reward_metric_keys(reward_metrics: dict[str, float]) -> dict[str, float]:
+    """The reward pool's ``rewards/<term>/mean`` ... as the documented ``reward/<term>/mean`` (docs/training.md)."""
+    return {f"reward/{k.removeprefix('rewards/')}": v for k, v in reward_metrics.items()}
 
 
 def _training_sequences(batch, advantages: torch.Tensor, with_routing: bool,

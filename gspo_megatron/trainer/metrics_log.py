@@ -174,6 +174,12 @@ class MetricsLogger:
         if self._display is not None:
             self._display.update(step, values)
 
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        """A text record (TensorBoard's text tab), e.g. sampled completions."""
+        if self.enabled and self._tb is not None:
+            self._tb.add_text(tag, text, global_step=step)
+            self._tb.flush()
+
     def close(self) -> None:
         if not self.enabled:
             return
@@ -211,6 +217,13 @@ def _start_wandb(run_dir: Path, project: str, name: str | None):
         id_file.write_text(run_id + "\n", encoding="utf-8")
     return wandb.init(project=project, name=name or run_dir.name, id=run_id, resume="allow", dir=str(run_dir))
 
+# printed once above the console display: what the short column names and ``value@N`` mean
+CONSOLE_LEGEND = ("columns: reward / accuracy = the step's rollouts (accuracy: reward >= 1); eval acc = held-out greedy "
+                  "accuracy; clip seq / clip tok = fraction of sequences / tokens clipped; routing drift = fraction of "
+                  "activated experts one update changed; logp gap = mean |trainer - engine| log-prob of the sampled "
+                  "tokens; step s = seconds per step; 'v@N' = the value from step N (eval runs every eval.every_steps). "
+                  "All metrics: RUN_DIR/metrics.jsonl (docs/training.md)")
+
 
 def _format(value: float) -> str:
     return f"{value:.4g}"
@@ -231,6 +244,8 @@ class _ConsoleDisplay:
         self._step = 0
 
     def update(self, step: int, values: dict[str, float]) -> None:
+        if not self.latest:
+            self.console.print(CONSOLE_LEGEND, highlight=False, soft_wrap=True)
         self._step = step
         for key, _ in CONSOLE_KEYS:
             if key in values:
@@ -284,5 +299,5 @@ class _ConsoleDisplay:
             self._live = None
 
 
-__all__ = ["CONSOLE_KEYS", "METRICS_FILE", "MetricsFileError", "MetricsLogger", "last_step", "metrics_path",
+__all__ = ["CONSOLE_KEYS", "CONSOLE_LEGEND", "METRICS_FILE", "MetricsFileError", "MetricsLogger", "last_step", "metrics_path",
            "read_metrics", "truncate_after"]

@@ -33,8 +33,13 @@ GROUPS: tuple[MetricGroup, ...] = (
     MetricGroup("reward", "Reward", "mean reward", ("reward_mean",)),
     MetricGroup("accuracy", "Accuracy", "fraction correct", ("accuracy", "eval_accuracy")),
     MetricGroup("clip_fraction", "Clip fraction", "fraction clipped", ("clip_frac_seq", "clip_frac_token")),
-    MetricGroup("routing_drift", "Routing drift", "top-k sets changed", ("routing_drift",)),
+    MetricGroup("routing_drift", "Routing drift (per update)", "fraction of activated experts changed",
+                ("routing_drift",)),
     MetricGroup("logprob_gap", "Train/rollout log-prob gap", "mean |gap|", ("logprob_gap_mean",)),
+    MetricGroup("response_length", "Response length", "tokens (mean)", ("response_length_mean",)),
+    MetricGroup("pass_at_k", "Held-out pass@k", "fraction solved", ("eval_pass@*",)),  # * : the run's k
+    MetricGroup("timings", "Time per step", "seconds", ("time_step_s", "time_rollout_s", "time_logprobs_s",
+                                                         "time_update_s", "time_sync_s")),
 )
 
 Series = tuple[list[int], list[float]]
@@ -76,8 +81,23 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
     return [str(d) for d in run_dirs]
 
 
+def _expand(group: MetricGroup, runs: list[Run]) -> MetricGroup:
+    """``prefix*`` metrics become the runs' keys with that prefix (e.g. eval_pass@4); none found: kept as is."""
+    metrics = []
+    for m in group.metrics:
+        if not m.endswith("*"):
+            metrics.append(m)
+            continue
+        keys = sorted({k for r in runs for rec in r.records for k in rec if k.startswith(m[:-1])})
+        metrics += keys or [m[:-1] + "k"]
+    return dataclasses.replace(group, metrics=tuple(metrics))
+
+
 def _draw_panel(ax, group: MetricGroup, runs: list[Run]) -> bool:
     """Draws ``group`` into ``ax``; False when no run has any of its metrics (the panel then says so)."""
+    from matplotlib.ticker import MaxNLocator
+
+    group = _expand(group, runs)
     present = [m for m in group.metrics if any(series(r.records, m)[0] for r in runs)]
     absent = [m for m in group.metrics if m not in present]
     title = group.title if not absent else f"{group.title} (absent: {', '.join(absent)})"
@@ -98,6 +118,7 @@ def _draw_panel(ax, group: MetricGroup, runs: list[Run]) -> bool:
             ax.plot(steps, values, linestyle=styles[metric_index % len(styles)], color=color, label=label,
                     marker="." if len(steps) <= 50 else None)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_ylabel(group.ylabel)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
@@ -125,7 +146,8 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None) -> list[Path]:
     runs = [Run(label, load_run(d)) for label, d in zip(run_labels(run_dirs), run_dirs)]
     out_dir = Path(out_dir) if out_dir is not None else run_dirs[0] / PLOTS_DIR
 
-    with_data = [g for g in GROUPS if any(series(r.records, m)[0] for r in runs for m in g.metrics)]
+    groups = [_expand(g, runs) for g in GROUPS]
+    with_data = [g for g in groups if any(series(r.records, m)[0] for r in runs for m in g.metrics)]
     if not with_data:
         wanted = sorted({m for g in GROUPS for m in g.metrics})
         files = ", ".join(str(d / METRICS_FILE) for d in run_dirs)

@@ -40,3 +40,17 @@ def test_bad_input_exits_2_with_the_reason(folders, capsys):
     assert cli.main(["megatron-to-hf", "--megatron-dir", str(root / "missing"), "--out", str(root / "y")]) == 2
     assert "no model_config.json" in capsys.readouterr().err
     assert not (root / "x").exists() and not (root / "y").exists()
+
+
+def test_the_demo_tokenizer_folder_is_the_data_layers(tmp_path):
+    """A training checkpoint of an inline model.config exports the demo tokenizer the trainer used."""
+    import json
+    from pathlib import Path
+
+    from gspo_megatron.conversion import offline
+    from gspo_megatron.data.tokenizer import demo_tokenizer_path
+
+    assert offline.tokenizer_source(tmp_path, None) == (None, "no template, no model.tokenizer_dir")
+    (tmp_path / "gspo_meta.json").write_text(json.dumps({"config": {"model": {"config": {"vocab_size": 100}}}}))
+    folder, why = offline.tokenizer_source(tmp_path, None)
+    assert folder == Path(demo_tokenizer_path()).resolve() and why.startswith("the repository's demo tokenizer")

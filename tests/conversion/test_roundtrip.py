@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gspo_megatron.conversion import dcp_io, offline
+from gspo_megatron.conversion.errors import ConversionError
 from gspo_megatron.conversion.tables import expand
 from gspo_megatron.conversion.transforms import FusedGateUp, FusedQKV
 from gspo_megatron.megatron import checkpoint
@@ -112,7 +113,9 @@ def test_export_without_any_template_writes_configs_from_the_model_config(conver
     hf, meg, _ = converted["llama"]
     bare = shutil.copytree(meg, tmp_path / "meg")
     shutil.rmtree(bare / "hf")
-    back = offline.megatron_to_hf(bare, tmp_path / "back", progress=False)
+    with pytest.raises(ConversionError, match=r"meg: no tokenizer to export .*--hf-template.*--weights-only"):
+        offline.megatron_to_hf(bare, tmp_path / "refused", progress=False)
+    back = offline.megatron_to_hf(bare, tmp_path / "back", progress=False, weights_only=True)
     assert ModelConfig.from_hf_dir(back) == ModelConfig.from_hf_dir(hf)
     assert json.loads((back / "config.json").read_text())["dtype"] == "float32"
     assert (back / "generation_config.json").is_file() and not (back / "tokenizer.json").exists()

@@ -134,3 +134,28 @@ def test_recompute_settings_use_megatron_names():
     assert recompute_settings("full", grouped_gemm=False) == {
         "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     assert recompute_settings("selective", grouped_gemm=True)["recompute_modules"] == ["core_attn", "moe_act"]
+
+
+def grad_buffer_worker(rank, world_size, config):
+    """model.grad_reduce_in_fp32: the DDP gradient buffers are fp32 by default, bf16 when off; both step."""
+    from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
+    from tests.megatron.train_workers import make_sequences
+
+    initialize_model_parallel(ParallelConfig(), seed=0)
+    out = {}
+    for fp32 in (True, False):
+        policy = _policy(config, ModelRuntime(precision="bf16", grad_reduce_in_fp32=fp32), lr=3e-3)
+        seqs = make_sequences(config, count=4)
+        first = float(policy.sft_forward_backward(seqs)["loss"])
+        grad_dtype = str(next(p for p in policy.module.parameters() if p.requires_grad).main_grad.dtype)
+        for _ in range(5):
+            policy.optimizer_step()
+            last = float(policy.sft_forward_backward(seqs)["loss"])
+        out[fp32] = {"grad_dtype": grad_dtype, "first": first, "last": last}
+    return out
+
+
+def test_gradient_reduce_precision_is_a_setting():
+    out = run_distributed(grad_buffer_worker, 1, (tiny_moe_config(),))[0]
+    assert out[True]["grad_dtype"] == "torch.float32" and out[False]["grad_dtype"] == "torch.bfloat16"
+    assert all(o["last"] < o["first"] for o in out.values()), out

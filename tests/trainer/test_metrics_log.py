@@ -58,10 +58,12 @@ def test_console_line_when_not_a_terminal(tmp_path, capsys):
     with MetricsLogger(tmp_path, enabled=True, tensorboard=False, total_steps=4, console=True) as logger:
         logger.log(1, {"reward_mean": 0.5, "eval_accuracy": 0.25, "other": 3.0})
         logger.log(2, {"reward_mean": 0.75})
-    out = capsys.readouterr().out.splitlines()
+    legend, *out = capsys.readouterr().out.splitlines()
+    # the short column names and the @N mark are explained once, above the first line
+    assert legend.startswith("columns: ") and "logp gap = " in legend and "'v@N' = the value from step N" in legend
     assert out[0].startswith("step 1/4") and "reward 0.5" in out[0] and "eval acc 0.25" in out[0]
     # a value from an earlier step is marked with its step
-    assert "reward 0.75" in out[1] and "eval acc 0.25@1" in out[1]
+    assert "reward 0.75" in out[1] and "eval acc 0.25@1" in out[1] and len(out) == 2
 
 
 def test_truncate_after_keeps_steps_up_to_resume(tmp_path):

@@ -87,3 +87,25 @@ def test_cli_plot_subcommand_passes_arguments(tmp_path, monkeypatch, capsys):
     assert cli_main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "o")]) == 0
     assert calls == [([tmp_path / "a", tmp_path / "b"], tmp_path / "o")]
     assert str(tmp_path / "o" / "overview.png") in capsys.readouterr().out
+
+
+def test_length_pass_at_k_and_timing_charts_with_integer_step_ticks(tmp_path):
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"step": s, "response_length_mean": 5.0 + s, "time_step_s": 0.5, "time_rollout_s": 0.2,
+                "eval_pass@4": 0.1 * s, "routing_drift": 0.01} for s in range(3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    names = [p.name for p in plot.plot_runs([run])]
+    assert names == ["routing_drift.png", "response_length.png", "pass_at_k.png", "timings.png", "overview.png"]
+    runs = [plot.Run("run", plot.load_run(run))]
+    ax = Figure().add_subplot(1, 1, 1)
+    group = next(g for g in plot.GROUPS if g.file == "pass_at_k")
+    assert plot._draw_panel(ax, group, runs) and ax.get_title() == "Held-out pass@k"
+    assert isinstance(ax.xaxis.get_major_locator(), MaxNLocator)
+    assert all(float(t).is_integer() for t in ax.get_xticks())
+    drift = Figure().add_subplot(1, 1, 1)
+    plot._draw_panel(drift, next(g for g in plot.GROUPS if g.file == "routing_drift"), runs)
+    assert drift.get_ylabel() == "fraction of activated experts changed"

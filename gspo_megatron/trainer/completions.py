@@ -1,0 +1,86 @@
+"""What the model writes: a few sampled completions per step (prompt, response, reward) in
+RUN_DIR/completions.jsonl and TensorBoard text, one on the console every ``logging.console_completion_every``
+steps; and the per-prompt outputs of an evaluation (``gspo-megatron eval --outputs``).
+
+The rows are the first ``n`` prompts' first samples of the step's batch (the batch is in prompt order on
+every rank, so the choice does not depend on the layout). A resumed run drops the rows of steps after
+its checkpoint first, as for metrics.jsonl.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+COMPLETIONS_NAME = "completions.jsonl"
+
+
+def completion_rows(batch, tokenizer, n: int, step: int) -> list[dict[str, Any]]:
+    """Up to ``n`` rows {step, prompt, answer, response, reward} from a rollout batch: a list of (prompt
+    sample, [sample x G], [reward x G])."""
+    rows = []
+    for prompt, samples, rewards in batch[:n]:
+        rows.append({"step": int(step), "prompt": tokenizer.decode(list(prompt.prompt_ids), skip_special_tokens=True),
+                     "answer": None if prompt.answer is None else str(prompt.answer),
+                     "response": tokenizer.decode(list(samples[0].response_ids), skip_special_tokens=True),
+                     "reward": float(rewards[0])})
+    return rows
+
+
+def eval_rows(greedy, sampled, tokenizer) -> list[dict[str, Any]]:
+    """Per prompt of an evaluation: the greedy response and reward, and the pass@k samples' responses and
+    rewards (``sampled`` None without pass@k)."""
+    rows = []
+    for i, (prompt, samples, rewards) in enumerate(greedy):
+        row = {"prompt": tokenizer.decode(list(prompt.prompt_ids), skip_special_tokens=True),
+               "answer": None if prompt.answer is None else str(prompt.answer),
+               "greedy": tokenizer.decode(list(samples[0].response_ids), skip_special_tokens=True),
+               "greedy_reward": float(rewards[0])}
+        if sampled is not None:
+            _, k_samples, k_rewards = sampled[i]
+            row["samples"] = [tokenizer.decode(list(s.response_ids), skip_special_tokens=True) for s in k_samples]
+            row["sample_rewards"] = [float(r) for r in k_rewards]
+        rows.append(row)
+    return rows
+
+
+def append_rows(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    path = Path(run_dir) / COMPLETIONS_NAME
+    with open(path, "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def truncate_completions(run_dir: Path, step: int) -> None:
+    """Keep the rows of steps <= ``step`` (a resume from that step's checkpoint); temp file + rename."""
+    path = Path(run_dir) / COMPLETIONS_NAME
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a last line cut by a kill
+        if row.get("step", 0) <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def as_text(rows: list[dict[str, Any]]) -> str:
+    """Markdown for TensorBoard's text tab."""
+    return "\n\n".join(f"**prompt** `{r['prompt']}`  \n**response** `{r['response']}`  \n"
+                       f"**answer** `{r['answer']}` **reward** {r['reward']:.3g}" for r in rows)
+
+
+def console_line(row: dict[str, Any]) -> str:
+    return (f"step {row['step']} sample: {row['prompt']!r} -> {row['response']!r} "
+            f"(answer {row['answer']!r}, reward {row['reward']:.3g})")
+
+
+__all__ = ["COMPLETIONS_NAME", "append_rows", "as_text", "completion_rows", "console_line", "eval_rows",
+           "truncate_completions"]

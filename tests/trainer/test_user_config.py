@@ -1,0 +1,109 @@
+"""A user's own config: reward code beside it imports, every path field is relative to the config file,
+a missing path or section is one line naming the field, --init-from says the warm start is skipped."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gspo_megatron.rewards.terms import build_terms
+from gspo_megatron.trainer.config import check_model_folders, load_config
+from gspo_megatron.typed_config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "examples" / "cpu_demo.yaml"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _user_config(folder: Path, **changes) -> Path:
+    """The demo config copied into ``folder`` with its data beside it (relative paths), plus ``changes``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = yaml.safe_load(DEMO.read_text())
+    (folder / "data").mkdir(exist_ok=True)
+    for name in ("train", "eval"):
+        (folder / "data" / f"{name}.jsonl").write_text((REPO / "examples/data/sort" / f"{name}.jsonl").read_text())
+    data["data"].update(train_files=["data/train.jsonl"], eval_files=["data/eval.jsonl"])
+    for section, values in changes.items():
+        if values is None:
+            data.pop(section)
+        else:
+            data.setdefault(section, {}).update(values)
+    path = folder / "my_config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_a_reward_module_beside_the_config_imports(tmp_path):
+    name = f"my_rewards_{os.getpid()}"
+    (tmp_path / "cfg" / f"{name}.py").parent.mkdir()
+    (tmp_path / "cfg" / f"{name}.py").write_text("def exact_answer(sample, response):\n"
+                                                  "    return float(response.strip() == str(sample['answer']))\n")
+    path = _user_config(tmp_path / "cfg", rewards={"terms": [{"name": f"{name}:exact_answer"}]})
+    config = load_config(path)
+    assert config.rewards.import_dirs == [str((tmp_path / "cfg").resolve())]
+    sys.modules.pop(name, None)
+    sys.path.remove(str((tmp_path / "cfg").resolve()))  # what a reward worker starts with: only import_dirs
+    (term,) = build_terms(config.rewards)
+    assert term.fn({"answer": "1 2 3"}, "1 2 3 ") == 1.0 and term.key == "exact_answer"
+
+
+def test_reward_import_errors_are_one_line_naming_the_term(tmp_path):
+    (tmp_path / "broken_reward.py").write_text("x = 1\nundefined_name + 1\n")
+    with pytest.raises(ConfigError, match=r"^rewards.terms\[0\].name: cannot import module 'no_such_rewards': "
+                                          r"No module named 'no_such_rewards' \(looked in .*\)$"):
+        load_config(_user_config(tmp_path / "a", rewards={"terms": [{"name": "no_such_rewards:f"}]}))
+    path = _user_config(tmp_path, rewards={"terms": [{"name": "broken_reward:f"}]})
+    with pytest.raises(ConfigError, match=r"^rewards.terms\[0\].name: importing 'broken_reward' failed: NameError: "
+                                          r".*broken_reward.py:2\)$"):
+        load_config(path)
+    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(path)], cwd=tmp_path,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert proc.stderr.startswith("gspo-megatron train: error: rewards.terms[0].name: importing 'broken_reward'")
+
+
+def test_every_path_field_is_relative_to_the_config_file(tmp_path):
+    (tmp_path / "cfg" / "tok").mkdir(parents=True)
+    path = _user_config(tmp_path / "cfg", model={"tokenizer_dir": "tok"})
+    config = load_config(path, ["data.eval_files=[data/eval.jsonl]"])  # overrides too
+    base = (tmp_path / "cfg").resolve()
+    assert config.model.tokenizer_dir == str(base / "tok")
+    assert config.data.train_files == [str(base / "data/train.jsonl")]
+    assert config.data.eval_files == [str(base / "data/eval.jsonl")]
+    # a relative model.hf_dir is a folder beside the config, never a Hub name
+    with pytest.raises(ConfigError, match=r"^model.hf_dir: .*/cfg/Qwen/Qwen3-0.6B is not a folder \(relative paths "
+                                          r"are relative to the config file .*my_config.yaml; Hub names"):
+        check_model_folders(load_config(path, ["model.hf_dir=Qwen/Qwen3-0.6B", "model.config=null"]), path)
+
+
+def test_a_config_without_a_model_section_names_it(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model: required section is missing \(model.hf_dir"):
+        load_config(_user_config(tmp_path, model=None))
+
+
+@pytest.mark.slow
+def test_init_from_says_the_warm_start_is_skipped(tmp_path):
+    common = ["logging.console=false", "logging.tensorboard=false", "eval.num_prompts=4", "eval.pass_k=1"]
+    run = [sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(DEMO)]
+    proc = subprocess.run(run + ["--run-dir", str(tmp_path / "a"), "sft.steps=2", "train.steps=0", *common],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = tmp_path / "a" / "checkpoints" / "step_000000"
+    proc = subprocess.run(run + ["--run-dir", str(tmp_path / "b"), "--init-from", str(ckpt), "train.steps=0", *common],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"--init-from {ckpt}: training starts from its weights; the warm start (sft.steps=60) is skipped" in proc.stdout
+
+
+def test_run_summary_names_start_and_end_accuracy_time_and_plots(tmp_path):
+    from gspo_megatron.trainer.entry import run_summary
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval_accuracy": 0.5}\n{"step": 1, "reward_mean": 0.1}\n'
+                                            '{"step": 10, "eval_accuracy": 0.875}\n{"step": 20, "eval_accuracy": 0.75}\n')
+    text = run_summary(tmp_path, 31.6)
+    assert text.startswith("summary: held-out greedy accuracy 0.500 at step 0 -> 0.750 at step 20 (+0.250, best 0.875); "
+                           "32 s in this command.")
+    assert f"gspo-megatron plot {tmp_path} (PNGs in {tmp_path}/plots)" in text
