@@ -35,6 +35,8 @@ GROUPS: tuple[MetricGroup, ...] = (
     MetricGroup("clip_fraction", "Clip fraction", "fraction clipped", ("clip_frac_seq", "clip_frac_token")),
     MetricGroup("routing_drift", "Routing drift", "top-k sets changed", ("routing_drift",)),
     MetricGroup("logprob_gap", "Train/rollout log-prob gap", "mean |gap|", ("logprob_gap_mean",)),
+    MetricGroup("stability_masks", "Masked and capped by the stability options", "fraction",
+                ("rollout_seq_mask_frac", "opsm_mask_frac", "icepop_mask_frac", "clip_frac_dual_token", "cispo_clip_frac")),
 )
 
 Series = tuple[list[int], list[float]]
