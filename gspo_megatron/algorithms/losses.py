@@ -222,13 +222,15 @@ def sapo_loss(
     tau_pos, tau_neg = config.sapo_tau_pos, config.sapo_tau_neg
 
     def kernel(log_r: Tensor, adv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        clamped = log_r.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-        ratio = clamped.exp()
+        # in place where it can be: every temporary here is one chunk of a token tensor
+        ratio = log_r.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        stopped = ratio.ne(log_r)  # the exponent clamp is hit (or NaN): no gradient, like torch.clamp
+        ratio.exp_()
         tau = torch.full_like(adv, tau_neg).masked_fill_(adv > 0, tau_pos)
-        gate = torch.sigmoid(tau * (ratio - 1.0))
-        slope = 4.0 * gate * (1.0 - gate)
-        derivative = torch.where(clamped.ne(log_r), 0.0, adv * slope * ratio)
-        return (4.0 / tau) * gate * adv, derivative, slope
+        gate = ratio.sub(1.0).mul_(tau).sigmoid_()
+        slope = gate.neg().add_(1.0).mul_(gate).mul_(4.0)  # 4 sigma (1 - sigma)
+        derivative = ratio.mul_(slope).mul_(adv).masked_fill_(stopped, 0.0)  # A w r
+        return gate.mul_(adv).mul_(4.0).div_(tau), derivative, slope
 
     return _term_loss(batch, ctx, normalisers, config, kernel, "seq_mean_token_mean", 0, "sapo_gate_slope_sum")
 
@@ -251,9 +253,11 @@ def cispo_loss(
     low, high = 1.0 - config.clip_low, 1.0 + config.clip_high
 
     def kernel(log_r: Tensor, adv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        ratio = log_r.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
+        ratio = log_r.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp_()
         weight = ratio.clamp(low, high)
-        return weight * adv * log_r, weight * adv, ratio.ne(weight)
+        clipped = ratio.ne(weight)
+        derivative = weight.mul_(adv)  # r_hat A
+        return derivative.mul(log_r), derivative, clipped
 
     return _term_loss(batch, ctx, normalisers, config, kernel, config.aggregation, config.constant_length_tokens,
                       "cispo_clipped_tokens")
@@ -640,19 +644,28 @@ class _TokenTermLoss(torch.autograd.Function):
         seq_adv = None if batch.advantages is None else batch.advantages.detach().to(dtype)
         for part in token_chunks(seg.num_tokens):
             ids, on = seg.seq_ids[part], mask[part]
-            adv = seq_adv.index_select(0, ids) if seq_adv is not None else batch.token_advantages[part].detach().to(dtype)
-            adv = torch.where(on, adv, 0.0)  # advantages off the mask may be anything, even NaN
+            off = ~on
+            if seq_adv is not None:
+                adv = seq_adv.index_select(0, ids).masked_fill_(off, 0.0)
+            else:  # a new tensor, never a view of the caller's advantages
+                adv = torch.where(on, batch.token_advantages[part].detach().to(dtype), 0.0)
+            # advantages off the mask may be anything, even NaN: zeroed above, and the terms below
             objective, derivative, statistic = inputs.kernel(inputs.token_log_ratio[part].to(dtype), adv)
-            stat += torch.where(on, statistic.to(torch.float32), 0.0).sum()
-            weight = torch.where(on, -1.0, 0.0).to(dtype)
-            if inputs.seq_weights is not None:
-                weight.mul_(inputs.seq_weights.index_select(0, ids))
+            stat += statistic.masked_fill_(off, 0).sum(dtype=torch.float32)
+            weight = None if inputs.seq_weights is None else inputs.seq_weights.index_select(0, ids).to(dtype)
             if inputs.token_weights is not None:
-                weight.mul_(inputs.token_weights(part))
-            scale.accumulate(acc, ids, torch.where(on, objective * weight, 0.0))
+                token_weight = inputs.token_weights(part)
+                weight = token_weight.to(dtype) if weight is None else weight.mul_(token_weight)
+            objective.masked_fill_(off, 0.0).neg_()
+            if weight is not None:
+                objective.mul_(weight)
+            scale.accumulate(acc, ids, objective)
             if need_grad:
-                torch.mul(derivative, weight, out=coef[part]).mul_(scale.per_token(ids, per_seq_scale))
-                coef[part].masked_fill_(~on, 0.0)
+                out = torch.neg(derivative, out=coef[part])
+                if weight is not None:
+                    out.mul_(weight)
+                out.mul_(scale.per_token(ids, per_seq_scale)).masked_fill_(off, 0.0)
+            del adv, objective, derivative, statistic, weight, off  # before the next chunk makes its own
         metrics["stat"] = stat
         if need_grad:
             ctx.save_for_backward(coef)

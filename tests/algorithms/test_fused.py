@@ -329,7 +329,7 @@ def _bench_module():
     return module
 
 
-@pytest.mark.parametrize("algorithm", ["gspo", "gspo_token", "grpo"])
+@pytest.mark.parametrize("algorithm", ["gspo", "gspo_token", "grpo", "sapo", "cispo"])
 def test_peak_memory_is_the_gradient_plus_at_most_two_token_tensors(algorithm):
     bench = _bench_module()
     tokens = 65536
