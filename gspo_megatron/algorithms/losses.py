@@ -743,9 +743,10 @@ def _token_tis_metrics(batch: TokenBatch, tis_cap: float) -> Metrics:
 
 
 def _check_sequence_mean(algorithm: str, config: LossConfig) -> None:
-    """GSPO's objectives are means over sequences (Eq. 5, 13); another aggregation would be ignored silently."""
+    """GSPO's objectives (Eq. 5, 13) and SAPO's are means over sequences; another aggregation would be
+    ignored silently."""
     if config.aggregation != "seq_mean_token_mean":
-        raise ValueError(f"{algorithm}: aggregation={config.aggregation!r} applies to grpo only; "
+        raise ValueError(f"{algorithm}: aggregation={config.aggregation!r} applies to grpo and cispo only; "
                          f"{algorithm} is always a mean over sequences (seq_mean_token_mean)")
 
 

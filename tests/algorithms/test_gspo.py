@@ -165,7 +165,7 @@ def test_gspo_needs_sequence_advantages():
 def test_gspo_refuses_a_token_aggregation(loss_fn):
     raw = random_raw([3, 3])
     batch = raw.batch(per_token=loss_fn is gspo_token_loss)
-    with pytest.raises(ValueError, match="aggregation='token_mean' applies to grpo only"):
+    with pytest.raises(ValueError, match="aggregation='token_mean' applies to grpo and cispo only"):
         loss_fn(batch, raw.normalisers(), LossConfig(aggregation="token_mean"))
 
 
