@@ -12,8 +12,8 @@ computes by default; the paper writes "std" without saying which. For rewards 1,
 
 A group whose rewards are all exactly equal (including a group of one) carries no learning signal: its
 advantages are exactly 0 under every estimator, and it is counted (``zero_variance``) so the caller can
-report or filter it. ``batch_norm`` is Lite-PPO's "group mean, batch std" (Liu et al., arXiv 2508.08221,
-section 4.1): the baseline-centred rewards divided by the sample std of *all the rewards* in the batch,
+report or filter it. ``batch_norm`` is Lite-PPO's "group mean, batch std" (Liu et al., arXiv 2508.08221):
+the baseline-centred rewards divided by the sample std of *all the rewards* in the batch,
 
     A_i = (r_i - mean_{j in group} r_j) / (std_{all k in batch} r_k + eps)      (``loo``: its own centring)
 

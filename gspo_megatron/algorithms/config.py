@@ -22,14 +22,14 @@ TISMode = Literal["none", "sequence", "token"]
 # (clip_low, clip_high) from the paper: GSPO section 5.1; GRPO baseline with "clip-higher". The only copy:
 # the losses take them from a LossConfig, never from defaults of their own. SAPO has no clip (its soft
 # gate replaces it). CISPO clips its detached importance weight to [1 - clip_low, 1 + clip_high]:
-# MiniMax-M1 (arXiv 2506.13585, section 3.1) imposes no lower bound (clip_low = 1: the bound 0 is never
+# MiniMax-M1 (arXiv 2506.13585) imposes no lower bound (clip_low = 1: the bound 0 is never
 # reached) and does not publish its upper one; 1 + 4 = 5 is ScaleRL's epsilon_max (arXiv 2510.13786).
 PAPER_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27), "sapo": (None, None), "cispo": (1.0, 4.0)}
 # The aggregation each algorithm's paper uses where ``aggregation`` is unset; CISPO's objective divides
-# by the group's total token count (MiniMax-M1 Eq. 4), the others are means over sequences.
+# by the group's total token count (MiniMax-M1), the others are means over sequences.
 PAPER_AGGREGATION = {"cispo": "token_mean"}
 # Algorithms whose per-token terms ``aggregation`` may reduce; the GSPO family and SAPO are always means
-# over sequences (their papers' Eq. 5, 13; SAPO Eq. 5).
+# over sequences (GSPO Eq. 5, 13; the SAPO objective).
 TOKEN_AGGREGATED = ("grpo", "cispo")
 # Algorithms with a hard clip of the ratio, where dual clip applies.
 HARD_CLIPPED = ("gspo", "gspo_token", "grpo")

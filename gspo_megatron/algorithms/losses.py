@@ -63,7 +63,7 @@ def clipped_objective(ratio: Tensor, advantages: Tensor, clip_low: float, clip_h
 
 
 def dual_clipped(objective: Tensor, ratio: Tensor, advantages: Tensor, c: float | None) -> tuple[Tensor, Tensor | None]:
-    """Dual clip (Ye et al., arXiv 1912.09729, Eq. 5): max(objective, c A) where A < 0, elementwise.
+    """Dual clip (Ye et al., arXiv 1912.09729): max(objective, c A) where A < 0, elementwise.
 
     A term with A < 0 whose ratio exceeds c > 1 contributes c A and no gradient, so one token (or
     sequence) the policy has moved far from cannot dominate the loss. Also returns where it is active.
@@ -207,7 +207,7 @@ def grpo_loss(
 def sapo_loss(
     batch: TokenBatch, normalisers: LossNormalisers, config: LossConfig, context: SequenceContext | None = None
 ) -> tuple[Tensor, Metrics]:
-    """SAPO (Gao et al., arXiv 2511.20347, Eq. 5-7): a soft gate on each token's ratio in place of the clip.
+    """SAPO (Gao et al., arXiv 2511.20347, its objective): a soft gate on each token's ratio in place of the clip.
 
         r_t  = exp(clamp(log-ratio_t, -20, 20)),   tau_t = sapo_tau_pos if A_t > 0 else sapo_tau_neg
         f(r) = (4 / tau_t) sigmoid(tau_t (r - 1))
@@ -238,7 +238,7 @@ def sapo_loss(
 def cispo_loss(
     batch: TokenBatch, normalisers: LossNormalisers, config: LossConfig, context: SequenceContext | None = None
 ) -> tuple[Tensor, Metrics]:
-    """CISPO (MiniMax-M1, arXiv 2506.13585, Eq. 4-5): the clipped importance weight, detached, times A
+    """CISPO (MiniMax-M1, arXiv 2506.13585, its objective): the clipped importance weight, detached, times A
     times the token's log-prob, so every token keeps a gradient (none is dropped by a clip).
 
         r_hat_t = clip(r_t, 1 - clip_low, 1 + clip_high),  r_t = exp(clamp(log-ratio_t, -20, 20))
