@@ -21,12 +21,15 @@ PLOTS_DIR = "plots"
 
 @dataclasses.dataclass(frozen=True)
 class MetricGroup:
-    """One figure: ``file`` name stem, axis ``title`` and y ``label``, the ``metrics`` drawn in it."""
+    """One figure: ``file`` name stem, axis ``title`` and y ``label``, the ``metrics`` drawn in it; with a
+    ``prefix`` (per-layer metrics such as ``routing_agreement/layer``), every logged metric named
+    ``prefix<N>`` too, in layer order (``metrics_of``)."""
 
     file: str
     title: str
     ylabel: str
     metrics: tuple[str, ...]
+    prefix: str = ""
 
 
 GROUPS: tuple[MetricGroup, ...] = (
@@ -35,6 +38,11 @@ GROUPS: tuple[MetricGroup, ...] = (
     MetricGroup("clip_fraction", "Clip fraction", "fraction clipped", ("clip_frac_seq", "clip_frac_token")),
     MetricGroup("routing_drift", "Routing drift", "top-k sets changed", ("routing_drift",)),
     MetricGroup("logprob_gap", "Train/rollout log-prob gap", "mean |gap|", ("logprob_gap_mean",)),
+    MetricGroup("routing_agreement", "Engine/trainer routing agreement (auto: R3 while replay active = 1)",
+                "fraction of top-k shared", ("routing_agreement", "routing_replay_active")),
+    MetricGroup("routing_agreement_layers", "Routing agreement per layer", "fraction of top-k shared", (),
+                prefix="routing_agreement/layer"),
+    MetricGroup("routing_drift_layers", "Routing drift per layer", "experts changed", (), prefix="routing_drift/layer"),
     MetricGroup("stability_masks", "Masked and capped by the stability options", "fraction",
                 ("rollout_seq_mask_frac", "opsm_mask_frac", "icepop_mask_frac", "clip_frac_dual_token", "cispo_clip_frac")),
 )
@@ -78,10 +86,20 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
     return [str(d) for d in run_dirs]
 
 
+def metrics_of(group: MetricGroup, runs: list[Run]) -> list[str]:
+    """``group.metrics``, then the metrics any run logged as ``group.prefix<N>``, by N."""
+    if not group.prefix:
+        return list(group.metrics)
+    found = {key for r in runs for record in r.records for key in record
+             if key.startswith(group.prefix) and key[len(group.prefix):].isdigit()}
+    return list(group.metrics) + sorted(found, key=lambda key: int(key[len(group.prefix):]))
+
+
 def _draw_panel(ax, group: MetricGroup, runs: list[Run]) -> bool:
     """Draws ``group`` into ``ax``; False when no run has any of its metrics (the panel then says so)."""
-    present = [m for m in group.metrics if any(series(r.records, m)[0] for r in runs)]
-    absent = [m for m in group.metrics if m not in present]
+    metrics = metrics_of(group, runs)
+    present = [m for m in metrics if any(series(r.records, m)[0] for r in runs)]
+    absent = [m for m in metrics if m not in present]
     title = group.title if not absent else f"{group.title} (absent: {', '.join(absent)})"
     ax.set_title(title, fontsize=9)
     if not present:
@@ -127,9 +145,9 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None) -> list[Path]:
     runs = [Run(label, load_run(d)) for label, d in zip(run_labels(run_dirs), run_dirs)]
     out_dir = Path(out_dir) if out_dir is not None else run_dirs[0] / PLOTS_DIR
 
-    with_data = [g for g in GROUPS if any(series(r.records, m)[0] for r in runs for m in g.metrics)]
+    with_data = [g for g in GROUPS if any(series(r.records, m)[0] for r in runs for m in metrics_of(g, runs))]
     if not with_data:
-        wanted = sorted({m for g in GROUPS for m in g.metrics})
+        wanted = sorted({m for g in GROUPS for m in g.metrics} | {f"{g.prefix}N" for g in GROUPS if g.prefix})
         files = ", ".join(str(d / METRICS_FILE) for d in run_dirs)
         raise MetricsFileError(f"{files}: no plotted metric logged (looked for {', '.join(wanted)})")
     out_dir.mkdir(parents=True, exist_ok=True)
