@@ -1,4 +1,4 @@
-"""GSPO algorithm core in pure PyTorch: group advantages, GSPO / GSPO-token / GRPO losses, KL,
+"""GSPO algorithm core in pure PyTorch: group advantages, GSPO / GSPO-token / GRPO / SAPO / CISPO losses, KL,
 entropy, truncated importance sampling and reducible metrics. Imports nothing from Megatron or SGLang.
 See docs/algorithms.md."""
 from gspo_megatron.algorithms.advantages import GroupAdvantages, group_advantages
@@ -14,16 +14,20 @@ from gspo_megatron.algorithms.layout import (
 )
 from gspo_megatron.algorithms.losses import (
     aggregate_token_terms,
+    cispo_loss,
     clipped_objective,
+    dual_clipped,
     entropy_bonus,
     grpo_loss,
     gspo_loss,
     gspo_loss_from_sums,
     gspo_token_loss,
     kl_penalty,
+    sapo_loss,
 )
 from gspo_megatron.algorithms.metrics import DERIVED, METRICS, combine_minibatches, finalize_metrics, merge_metrics
 from gspo_megatron.algorithms.policy import POLICY_LOSSES, PolicyLoss, policy_loss
+from gspo_megatron.algorithms.rollout_correction import RolloutCorrectionConfig, icepop_weights, sequence_keep
 from gspo_megatron.algorithms.sequences import (
     LOG_RATIO_LIMIT,
     TOKEN_LOG_RATIO_LIMIT,
@@ -44,18 +48,22 @@ __all__ = [
     "PAPER_CLIP",
     "POLICY_LOSSES",
     "PolicyLoss",
+    "RolloutCorrectionConfig",
     "Segments",
     "SequenceContext",
     "SequenceSums",
     "TOKEN_LOG_RATIO_LIMIT",
     "TokenBatch",
     "aggregate_token_terms",
+    "cispo_loss",
     "clipped_objective",
     "combine_minibatches",
     "count_normalisers",
+    "dual_clipped",
     "entropy_bonus",
     "finalize_metrics",
     "group_advantages",
+    "icepop_weights",
     "grpo_loss",
     "gspo_loss",
     "gspo_loss_from_sums",
@@ -67,6 +75,8 @@ __all__ = [
     "packed_batch",
     "padded_batch",
     "policy_loss",
+    "sapo_loss",
     "sequence_context",
+    "sequence_keep",
     "sequence_sums",
 ]

@@ -12,9 +12,13 @@ computes by default; the paper writes "std" without saying which. For rewards 1,
 
 A group whose rewards are all exactly equal (including a group of one) carries no learning signal: its
 advantages are exactly 0 under every estimator, and it is counted (``zero_variance``) so the caller can
-report or filter it. ``batch_norm`` then divides every advantage by the sample std of all advantages in
-the batch (Lite-PPO style "group mean, batch std"); the group baselines already make the batch mean 0,
-so nothing is subtracted and zero-variance groups stay exactly 0.
+report or filter it. ``batch_norm`` is Lite-PPO's "group mean, batch std" (Liu et al., arXiv 2508.08221):
+the baseline-centred rewards divided by the sample std of *all the rewards* in the batch,
+
+    A_i = (r_i - mean_{j in group} r_j) / (std_{all k in batch} r_k + eps)      (``loo``: its own centring)
+
+in place of the group std (so ``grpo`` and ``dr_grpo`` give the same advantages with it). Zero-variance
+groups stay exactly 0.
 
 Advantages are computed once per rollout batch, before it is split over ranks, so groups are whole.
 """
@@ -77,17 +81,17 @@ def group_advantages(
     mean = segments.sum(r) / size.clamp(min=1)
     centred = r - segments.expand(mean)
     zero_variance = segments.amax(r) == segments.amin(r)  # a single-response group is zero-variance too
-    if estimator == "grpo":
+    if estimator == "loo":
+        centred = centred * segments.expand(size / (size - 1).clamp(min=1))
+    if batch_norm:  # one scale for the whole batch: the std of the rewards themselves, not of the z-scores
+        adv = centred / (_sample_std(r) + eps)
+    elif estimator == "grpo":
         var = segments.sum(centred * centred) / (size - 1).clamp(min=1)  # sample variance (Bessel)
         adv = centred / (segments.expand(var.sqrt()) + eps)
-    elif estimator == "dr_grpo":
-        adv = centred
     else:
-        adv = centred * segments.expand(size / (size - 1).clamp(min=1))
+        adv = centred
     # Rounding in the mean can leave ~1e-8 residues in an all-equal group; that group has no signal.
     adv = torch.where(segments.expand(zero_variance), 0.0, adv)
-    if batch_norm:
-        adv = adv / (_sample_std(adv) + eps)
 
     num_groups_t = torch.tensor(float(segments.num_seqs), device=r.device)
     zero_groups = zero_variance.sum().to(torch.float32)

@@ -1,8 +1,9 @@
-"""Policy losses: GSPO (Eq. 5-7), GSPO-token (Eq. 13-17), GRPO (token-level, clip-higher), KL and entropy.
+"""Policy losses: GSPO (Eq. 5-7), GSPO-token (Eq. 13-17), GRPO (token-level, clip-higher), SAPO, CISPO,
+KL and entropy.
 
 Every loss is *minimised* (the negative of the paper's objective J), returns ``(loss, raw_metrics)``
 (see ``metrics.py``) and divides by the global ``LossNormalisers`` of the whole mini-batch, so the
-losses of its micro-batches (and data-parallel ranks) add up to the mini-batch loss. The three policy
+losses of its micro-batches (and data-parallel ranks) add up to the mini-batch loss. The policy
 losses share one signature, ``(batch, normalisers, config, context)``, and read their clip range and
 TIS settings from the ``LossConfig`` (which holds the paper's values); ``policy.POLICY_LOSSES`` maps an
 algorithm name to its loss.
@@ -12,6 +13,7 @@ Shapes: N tokens of S sequences in the flat layout of ``layout.TokenBatch``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -26,6 +28,13 @@ from gspo_megatron.algorithms.layout import (
     token_chunks,
 )
 from gspo_megatron.algorithms.metrics import raw
+from gspo_megatron.algorithms.rollout_correction import (
+    icepop_metrics,
+    icepop_weights,
+    opsm_divergent,
+    opsm_token_keep,
+    sequence_keep,
+)
 from gspo_megatron.algorithms.sequences import (
     LOG_RATIO_LIMIT,
     SequenceContext,
@@ -51,6 +60,19 @@ def clipped_objective(ratio: Tensor, advantages: Tensor, clip_low: float, clip_h
         clipped_low = (ratio < low) & (advantages < 0)
         clipped_high = (ratio > high) & (advantages > 0)
     return objective, clipped_low, clipped_high
+
+
+def dual_clipped(objective: Tensor, ratio: Tensor, advantages: Tensor, c: float | None) -> tuple[Tensor, Tensor | None]:
+    """Dual clip (Ye et al., arXiv 1912.09729): max(objective, c A) where A < 0, elementwise.
+
+    A term with A < 0 whose ratio exceeds c > 1 contributes c A and no gradient, so one token (or
+    sequence) the policy has moved far from cannot dominate the loss. Also returns where it is active.
+    """
+    if c is None:
+        return objective, None
+    with torch.no_grad():
+        active = (advantages < 0) & (ratio > c)
+    return torch.where(active, c * advantages, objective), active
 
 
 def aggregate_token_terms(
@@ -82,11 +104,14 @@ def gspo_loss_from_sums(
     clip_high: float,
     share: Tensor | None = None,
     seq_weights: Tensor | None = None,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, Metrics]:
     """Step (b) of GSPO: from per-sequence sums to the loss, one clipped term per sequence.
 
         s_i  = exp( clamp( sum_t log(pi_theta/pi_old)(y_it) / |y_i|, -20, 20 ) )          (Eq. 7)
         loss = -(1/num_seqs) sum_i share_i w_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)   (Eq. 5)
+
+    (with ``dual_clip`` c: the min is raised to at least c A_i where A_i < 0, see ``dual_clipped``)
 
     total:       whole-sequence sums (after the CP all-reduce, see ``sequences``);
     advantages:  [S] A_i;
@@ -97,7 +122,9 @@ def gspo_loss_from_sums(
     if share is None:
         share = (total.tokens > 0).to(torch.float32)
     seq_ratio = torch.exp(total.mean_log_ratio())
-    objective, clipped_low, clipped_high = clipped_objective(seq_ratio, advantages.to(seq_ratio.dtype), clip_low, clip_high)
+    advantages = advantages.to(seq_ratio.dtype)
+    objective, clipped_low, clipped_high = clipped_objective(seq_ratio, advantages, clip_low, clip_high)
+    objective, clipped_dual = dual_clipped(objective, seq_ratio, advantages, dual_clip)
     weight = share if seq_weights is None else share * seq_weights
     # where(), not a product: an empty sequence may carry any advantage (padding rows) and must add 0.
     terms = torch.where(share > 0, objective * weight, 0.0)
@@ -110,6 +137,8 @@ def gspo_loss_from_sums(
         "clip_high_seqs": raw((clipped_high * share).sum()),
         "pg_loss": raw(loss),
     }
+    if clipped_dual is not None:
+        metrics["clip_dual_tokens"] = raw((clipped_dual * local_tokens).sum())
     return loss, metrics
 
 
@@ -126,7 +155,7 @@ def gspo_loss(
     if config.tis_mode == "token":
         raise ValueError("gspo: tis_mode=token needs per-token loss terms; use tis_mode=sequence or gspo_token")
     ctx = sequence_context(batch) if context is None else context
-    seq_weights, tis_metrics = _tis(batch, ctx, config.tis_mode, config.tis_cap)
+    seq_weights, tis_metrics = _sequence_weights(batch, ctx, config)
     loss, metrics = gspo_loss_from_sums(
         ctx.total,
         batch.advantages,
@@ -135,6 +164,7 @@ def gspo_loss(
         clip_high=config.clip_high,
         share=ctx.share(),
         seq_weights=seq_weights,
+        dual_clip=config.dual_clip_c,
     )
     return loss, {**metrics, **tis_metrics, **policy_metrics(batch, ctx)}
 
@@ -172,6 +202,65 @@ def grpo_loss(
     ctx = sequence_context(batch, differentiable=False) if context is None else context
     ratio = _TokenRatio(token_log_ratio=ctx.token_log_ratio.detach())
     return _token_level_loss(batch, ctx, normalisers, ratio, config, config.aggregation, config.constant_length_tokens)
+
+
+def sapo_loss(
+    batch: TokenBatch, normalisers: LossNormalisers, config: LossConfig, context: SequenceContext | None = None
+) -> tuple[Tensor, Metrics]:
+    """SAPO (Gao et al., arXiv 2511.20347, its objective): a soft gate on each token's ratio in place of the clip.
+
+        r_t  = exp(clamp(log-ratio_t, -20, 20)),   tau_t = sapo_tau_pos if A_t > 0 else sapo_tau_neg
+        f(r) = (4 / tau_t) sigmoid(tau_t (r - 1))
+        loss = -(1/num_seqs) sum_i (1/|y_i|) sum_t f(r_it) A_it
+
+    d loss / d log pi_theta(y_t) = -(1/num_seqs)(1/|y_i|) A_t w_t r_t with w_t = 4 sigma (1 - sigma), the
+    gate's slope: 1 at r = 1 (on-policy: the plain policy gradient), decaying smoothly as r leaves 1 --
+    faster for A < 0, where tau_neg > tau_pos. No gradient where the exponent clamp is hit.
+    """
+    _check_sequence_mean("sapo", config)
+    ctx = sequence_context(batch, differentiable=False) if context is None else context
+    tau_pos, tau_neg = config.sapo_tau_pos, config.sapo_tau_neg
+
+    def kernel(log_r: Tensor, adv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # in place where it can be: every temporary here is one chunk of a token tensor
+        ratio = log_r.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        stopped = ratio.ne(log_r)  # the exponent clamp is hit (or NaN): no gradient, like torch.clamp
+        ratio.exp_()
+        tau = torch.full_like(adv, tau_neg).masked_fill_(adv > 0, tau_pos)
+        gate = ratio.sub(1.0).mul_(tau).sigmoid_()
+        slope = gate.neg().add_(1.0).mul_(gate).mul_(4.0)  # 4 sigma (1 - sigma)
+        derivative = ratio.mul_(slope).mul_(adv).masked_fill_(stopped, 0.0)  # A w r
+        return gate.mul_(adv).mul_(4.0).div_(tau), derivative, slope
+
+    return _term_loss(batch, ctx, normalisers, config, kernel, "seq_mean_token_mean", 0, "sapo_gate_slope_sum")
+
+
+def cispo_loss(
+    batch: TokenBatch, normalisers: LossNormalisers, config: LossConfig, context: SequenceContext | None = None
+) -> tuple[Tensor, Metrics]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585, its objective): the clipped importance weight, detached, times A
+    times the token's log-prob, so every token keeps a gradient (none is dropped by a clip).
+
+        r_hat_t = clip(r_t, 1 - clip_low, 1 + clip_high),  r_t = exp(clamp(log-ratio_t, -20, 20))
+        loss    = -aggregate_t sg[r_hat_t] A_t log pi_theta(y_t)          (token_mean: the paper's 1 / sum|y_i|)
+
+    d loss / d log pi_theta(y_t) = -scale_t r_hat_t A_t. The value is reported as
+    -aggregate sg[r_hat] A (log pi_theta - log pi_old): it differs from the paper's by a constant (pi_old
+    is fixed), so the gradient is the same, while the value is 0 on-policy and stays finite however
+    small a log-prob is.
+    """
+    ctx = sequence_context(batch, differentiable=False) if context is None else context
+    low, high = 1.0 - config.clip_low, 1.0 + config.clip_high
+
+    def kernel(log_r: Tensor, adv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        ratio = log_r.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp_()
+        weight = ratio.clamp(low, high)
+        clipped = ratio.ne(weight)
+        derivative = weight.mul_(adv)  # r_hat A
+        return derivative.mul(log_r), derivative, clipped
+
+    return _term_loss(batch, ctx, normalisers, config, kernel, config.aggregation, config.constant_length_tokens,
+                      "cispo_clipped_tokens")
 
 
 def kl_penalty(
@@ -387,11 +476,12 @@ class _ClipInputs:
 
     batch: TokenBatch
     ratio: _TokenRatio
-    seq_weights: Tensor | None  # [S] sequence-level TIS
-    tis_cap: float | None  # token-level TIS with this cap, weights recomputed per chunk
+    seq_weights: Tensor | None  # [S] sequence-level TIS and masks
+    token_weights: TokenWeights | None  # token-level TIS / IcePop weights, recomputed per chunk
     clip_low: float
     clip_high: float
     scale: TokenScale
+    dual_clip: float | None = None
 
 
 class _ClippedTokenLoss(torch.autograd.Function):
@@ -408,7 +498,8 @@ class _ClippedTokenLoss(torch.autograd.Function):
     Forward runs chunk by chunk (``layout.token_chunks``) and writes that derivative into the one
     per-token tensor it saves (float32; float64 for float64 inputs); backward multiplies it by the
     incoming scalar. Nothing else per token is kept. ``metrics`` receives the per-sequence counts of clipped tokens (``clip_low`` and
-    ``clip_high``, [S]).
+    ``clip_high``, [S]). With ``dual_clip`` c, a term with A < 0 and r > c is c A with no gradient
+    (``dual_clipped``), counted in ``metrics["clip_dual"]``.
     """
 
     @staticmethod
@@ -421,6 +512,7 @@ class _ClippedTokenLoss(torch.autograd.Function):
         acc = scale.accumulator(seg.num_seqs, dtype, device)
         low_counts = torch.zeros(seg.num_seqs, dtype=torch.float32, device=device)
         high_counts = torch.zeros_like(low_counts)
+        dual_count = torch.zeros((), dtype=torch.float32, device=device)
         per_seq_scale = scale.per_seq(dtype)
         neg_seq_adv = None if batch.advantages is None else batch.advantages.detach().to(dtype).neg()
         seq_ratio = None if ratio.seq_ratio is None else ratio.seq_ratio.to(dtype)
@@ -444,13 +536,19 @@ class _ClippedTokenLoss(torch.autograd.Function):
             clipped_high = buf.gt(high_bound).logical_and_(factor.lt(0)).logical_and_(on)
             low_counts.index_add_(0, ids, clipped_low.to(torch.float32))
             high_counts.index_add_(0, ids, clipped_high.to(torch.float32))
+            if inputs.dual_clip is not None:  # A < 0 and r > c (> 1): disjoint from clipped_low, r < 1 - eps_low there
+                clipped_dual = buf.gt(inputs.dual_clip).logical_and_(factor.gt(0)).logical_and_(on)
+                dual_count += clipped_dual.sum()
             if inputs.seq_weights is not None:
                 factor.mul_(inputs.seq_weights.index_select(0, ids))
-            if inputs.tis_cap is not None:
-                factor.mul_(token_tis_weights(batch, inputs.tis_cap, part))
+            if inputs.token_weights is not None:
+                factor.mul_(inputs.token_weights(part))
             # min(r A, clip(r) A) = clip(r) A exactly where the clip is active, r A elsewhere
             off = ~on
             buf.masked_fill_(clipped_low, low_bound).masked_fill_(clipped_high, high_bound)
+            if inputs.dual_clip is not None:
+                buf.masked_fill_(clipped_dual, inputs.dual_clip)
+                clipped_high.logical_or_(clipped_dual)  # stops the gradient below, like the other clips
             buf.mul_(factor).masked_fill_(off, 0.0)  # advantages off the mask may be anything, even NaN
             del factor
             scale.accumulate(acc, ids, buf)
@@ -459,6 +557,8 @@ class _ClippedTokenLoss(torch.autograd.Function):
                 buf.masked_fill_(stopped, 0.0).mul_(scale.per_token(ids, per_seq_scale))
             del buf, stopped, clipped_low, clipped_high, off  # before the next chunk makes its own
         metrics["clip_low"], metrics["clip_high"] = low_counts, high_counts
+        if inputs.dual_clip is not None:
+            metrics["clip_dual"] = dual_count
         if need_grad:
             ctx.save_for_backward(coef)
         ctx.x_meta = (x.shape, x.dtype)
@@ -488,14 +588,11 @@ def _token_level_loss(
     aggregation: Aggregation,
     constant_length_tokens: int,
 ) -> tuple[Tensor, Metrics]:
-    """Shared tail of GSPO-token and GRPO: the fused clipped objective, TIS, metrics."""
-    tis_mode, tis_cap = config.tis_mode, config.tis_cap
-    seq_weights, tis_metrics = _tis(batch, ctx, tis_mode, tis_cap)
-    if tis_mode == "token":
-        tis_metrics = _token_tis_metrics(batch, tis_cap)
+    """Shared tail of GSPO-token and GRPO: the fused clipped objective, TIS, rollout masks, metrics."""
+    seq_weights, tis_metrics = _sequence_weights(batch, ctx, config)
+    token_weights, token_metrics = _token_weights(batch, ctx, config)
     scale = token_scale(aggregation, ctx.total.tokens, normalisers, constant_length_tokens)
-    token_cap = tis_cap if tis_mode == "token" else None
-    inputs = _ClipInputs(batch, ratio, seq_weights, token_cap, config.clip_low, config.clip_high, scale)
+    inputs = _ClipInputs(batch, ratio, seq_weights, token_weights, config.clip_low, config.clip_high, scale, config.dual_clip_c)
     counts: Metrics = {}
     loss = _ClippedTokenLoss.apply(batch.logprobs, inputs, counts)
     seq_tokens = ctx.total.tokens.clamp(min=1.0)
@@ -506,7 +603,131 @@ def _token_level_loss(
         "clip_high_seqs": raw((counts["clip_high"] / seq_tokens).sum()),
         "pg_loss": raw(loss),
     }
-    return loss, {**metrics, **tis_metrics, **policy_metrics(batch, ctx)}
+    if "clip_dual" in counts:
+        metrics["clip_dual_tokens"] = raw(counts["clip_dual"])
+    return loss, {**metrics, **tis_metrics, **token_metrics, **policy_metrics(batch, ctx)}
+
+
+TokenWeights = Callable[[slice], Tensor]
+# (log-ratio_t, A_t) on a chunk -> (objective o_t, d o_t / d log pi_theta(y_t), per-token statistic to sum)
+TermKernel = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class _TermInputs:
+    """What the fused per-token objective reads besides log pi_theta (all detached)."""
+
+    batch: TokenBatch
+    token_log_ratio: Tensor  # [N] masked_log_ratio values
+    kernel: TermKernel
+    seq_weights: Tensor | None
+    token_weights: TokenWeights | None
+    scale: TokenScale
+
+
+class _TokenTermLoss(torch.autograd.Function):
+    """loss = scale-reduction of l_t = -w_t o(r_t, A_t) (0 off the mask) for a closed-form per-token
+    objective o (SAPO's gate, CISPO's clipped weight), as one op like ``_ClippedTokenLoss``: the kernel
+    gives o and d o / d log pi_theta(y_t) chunk by chunk, forward saves the scaled derivative (the one
+    per-token tensor kept) and backward multiplies it by the incoming scalar. ``metrics["stat"]``
+    receives the sum over response tokens of the kernel's statistic."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, inputs: _TermInputs, metrics: Metrics) -> Tensor:
+        batch, scale = inputs.batch, inputs.scale
+        seg, mask, device = batch.segments, batch.mask, batch.mask.device
+        need_grad, dtype = ctx.needs_input_grad[0], compute_dtype(x, batch.old_logprobs)
+        coef = torch.empty(seg.num_tokens, dtype=dtype, device=device) if need_grad else None
+        acc = scale.accumulator(seg.num_seqs, dtype, device)
+        stat = torch.zeros((), dtype=torch.float32, device=device)
+        per_seq_scale = scale.per_seq(dtype)
+        seq_adv = None if batch.advantages is None else batch.advantages.detach().to(dtype)
+        for part in token_chunks(seg.num_tokens):
+            ids, on = seg.seq_ids[part], mask[part]
+            off = ~on
+            if seq_adv is not None:
+                adv = seq_adv.index_select(0, ids).masked_fill_(off, 0.0)
+            else:  # a new tensor, never a view of the caller's advantages
+                adv = torch.where(on, batch.token_advantages[part].detach().to(dtype), 0.0)
+            # advantages off the mask may be anything, even NaN: zeroed above, and the terms below
+            objective, derivative, statistic = inputs.kernel(inputs.token_log_ratio[part].to(dtype), adv)
+            stat += statistic.masked_fill_(off, 0).sum(dtype=torch.float32)
+            weight = None if inputs.seq_weights is None else inputs.seq_weights.index_select(0, ids).to(dtype)
+            if inputs.token_weights is not None:
+                token_weight = inputs.token_weights(part)
+                weight = token_weight.to(dtype) if weight is None else weight.mul_(token_weight)
+            objective.masked_fill_(off, 0.0).neg_()
+            if weight is not None:
+                objective.mul_(weight)
+            scale.accumulate(acc, ids, objective)
+            if need_grad:
+                out = torch.neg(derivative, out=coef[part])
+                if weight is not None:
+                    out.mul_(weight)
+                out.mul_(scale.per_token(ids, per_seq_scale)).masked_fill_(off, 0.0)
+            del adv, objective, derivative, statistic, weight, off  # before the next chunk makes its own
+        metrics["stat"] = stat
+        if need_grad:
+            ctx.save_for_backward(coef)
+        ctx.x_meta = (x.shape, x.dtype)
+        return scale.reduce(acc)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: Tensor):
+        (coef,) = ctx.saved_tensors
+        shape, dtype = ctx.x_meta
+        return _as_input(coef * grad_loss, shape, dtype), None, None
+
+
+def _term_loss(
+    batch: TokenBatch,
+    ctx: SequenceContext,
+    normalisers: LossNormalisers,
+    config: LossConfig,
+    kernel: TermKernel,
+    aggregation: Aggregation,
+    constant_length_tokens: int,
+    stat_key: str,
+) -> tuple[Tensor, Metrics]:
+    """Shared tail of SAPO and CISPO: the fused per-token objective, TIS, rollout masks, metrics."""
+    seq_weights, seq_metrics = _sequence_weights(batch, ctx, config)
+    token_weights, token_metrics = _token_weights(batch, ctx, config)
+    scale = token_scale(aggregation, ctx.total.tokens, normalisers, constant_length_tokens)
+    inputs = _TermInputs(batch, ctx.token_log_ratio, kernel, seq_weights, token_weights, scale)
+    out: Metrics = {}
+    loss = _TokenTermLoss.apply(batch.logprobs, inputs, out)
+    metrics = {"pg_loss": raw(loss), stat_key: raw(out["stat"])}
+    return loss, {**metrics, **seq_metrics, **token_metrics, **policy_metrics(batch, ctx)}
+
+
+def _token_weights(batch: TokenBatch, ctx: SequenceContext, config: LossConfig) -> tuple[TokenWeights | None, Metrics]:
+    """Per-chunk token weights -- token-level TIS or IcePop (``validate`` forbids both), times OPSM's
+    token mask under per-token advantages -- and their metrics."""
+    rc, parts, metrics = config.rollout_correction, [], {}
+    if config.tis_mode == "token":
+        cap = config.tis_cap
+        parts.append(lambda part: token_tis_weights(batch, cap, part))
+        metrics.update(_token_tis_metrics(batch, cap))
+    elif rc.icepop:
+        low, high = rc.icepop_low, rc.icepop_high
+        parts.append(lambda part: icepop_weights(batch, low, high, part))
+        metrics.update(icepop_metrics(batch, low, high, token_chunks(batch.segments.num_tokens)))
+    if rc.opsm and batch.advantages is None:
+        divergent = opsm_divergent(ctx.total, rc.opsm_delta)
+        parts.append(lambda part: opsm_token_keep(batch, divergent, part))
+        with torch.no_grad():  # as a sequence fraction: each sequence adds the share of its tokens dropped
+            dropped = torch.zeros(batch.segments.num_seqs, device=batch.mask.device)
+            for part in token_chunks(batch.segments.num_tokens):
+                off = opsm_token_keep(batch, divergent, part).eq(0).logical_and_(batch.mask[part])
+                dropped.index_add_(0, batch.segments.seq_ids[part], off.to(torch.float32))
+        metrics["rc_opsm_masked"] = raw((dropped / ctx.total.tokens.clamp(min=1.0)).sum())
+    if not parts:
+        return None, metrics
+    if len(parts) == 1:
+        return parts[0], metrics
+    first, second = parts
+    return (lambda part: first(part) * second(part)), metrics
 
 
 def _token_tis_metrics(batch: TokenBatch, tis_cap: float) -> Metrics:
@@ -522,10 +743,21 @@ def _token_tis_metrics(batch: TokenBatch, tis_cap: float) -> Metrics:
 
 
 def _check_sequence_mean(algorithm: str, config: LossConfig) -> None:
-    """GSPO's objectives are means over sequences (Eq. 5, 13); another aggregation would be ignored silently."""
+    """GSPO's objectives (Eq. 5, 13) and SAPO's are means over sequences; another aggregation would be
+    ignored silently."""
     if config.aggregation != "seq_mean_token_mean":
-        raise ValueError(f"{algorithm}: aggregation={config.aggregation!r} applies to grpo only; "
+        raise ValueError(f"{algorithm}: aggregation={config.aggregation!r} applies to grpo and cispo only; "
                          f"{algorithm} is always a mean over sequences (seq_mean_token_mean)")
+
+
+def _sequence_weights(batch: TokenBatch, ctx: SequenceContext, config: LossConfig) -> tuple[Tensor | None, Metrics]:
+    """[S] detached per-sequence weights: sequence-level TIS times the rollout-correction masks (MIS,
+    OPSM), or None when all are off; and their metrics."""
+    weights, metrics = _tis(batch, ctx, config.tis_mode, config.tis_cap)
+    keep, mask_metrics = sequence_keep(ctx.total, batch.advantages, config.rollout_correction, ctx.share())
+    if keep is not None:
+        weights = keep if weights is None else weights * keep
+    return weights, {**metrics, **mask_metrics}
 
 
 def _tis(batch: TokenBatch, ctx: SequenceContext, tis_mode: TISMode, tis_cap: float) -> tuple[Tensor | None, Metrics]:

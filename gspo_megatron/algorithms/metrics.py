@@ -66,6 +66,12 @@ METRICS: dict[str, MetricSpec] = {
     "tis_seq_truncated": MetricSpec("sum", "seqs", "tis_seq_truncated_frac", "fraction of sequences whose TIS weight hit the cap"),
     "tis_token_weight_sum": MetricSpec("sum", "tokens", "tis_token_weight_mean", "mean token-level TIS weight"),
     "tis_token_truncated": MetricSpec("sum", "tokens", "tis_token_truncated_frac", "fraction of tokens whose TIS weight hit the cap"),
+    "clip_dual_tokens": MetricSpec("sum", "tokens", "clip_frac_dual_token", "fraction of tokens whose A < 0 term the dual clip caps at c A (ratio > dual_clip_c)"),
+    "sapo_gate_slope_sum": MetricSpec("sum", "tokens", "sapo_gate_slope_mean", "SAPO: mean slope 4 sigma (1 - sigma) of the soft gate (1 on-policy; the gradient's attenuation)"),
+    "cispo_clipped_tokens": MetricSpec("sum", "tokens", "cispo_clip_frac", "CISPO: fraction of tokens whose importance weight is clipped to [1 - clip_low, 1 + clip_high]"),
+    "rc_seq_masked": MetricSpec("sum", "seqs", "rollout_seq_mask_frac", "fraction of sequences seq_mask drops (their pi_old / pi_rollout ratio leaves the band)"),
+    "rc_opsm_masked": MetricSpec("sum", "seqs", "opsm_mask_frac", "fraction of sequences OPSM drops (A < 0 and mean log pi_rollout / pi_theta > opsm_delta)"),
+    "rc_icepop_masked": MetricSpec("sum", "tokens", "icepop_mask_frac", "fraction of tokens IcePop drops (pi_old / pi_rollout outside [icepop_low, icepop_high])"),
 }
 
 

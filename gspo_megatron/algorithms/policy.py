@@ -10,7 +10,15 @@ from torch import Tensor
 
 from gspo_megatron.algorithms.config import LossConfig
 from gspo_megatron.algorithms.layout import LossNormalisers, TokenBatch
-from gspo_megatron.algorithms.losses import entropy_bonus, grpo_loss, gspo_loss, gspo_token_loss, kl_penalty
+from gspo_megatron.algorithms.losses import (
+    cispo_loss,
+    entropy_bonus,
+    grpo_loss,
+    gspo_loss,
+    gspo_token_loss,
+    kl_penalty,
+    sapo_loss,
+)
 from gspo_megatron.algorithms.metrics import raw
 from gspo_megatron.algorithms.sequences import ReduceSequenceSums, SequenceContext, sequence_context
 
@@ -32,6 +40,8 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     "gspo": PolicyLoss(gspo_loss, sequence_grad=True),
     "gspo_token": PolicyLoss(gspo_token_loss, sequence_grad=False),
     "grpo": PolicyLoss(grpo_loss, sequence_grad=False),
+    "sapo": PolicyLoss(sapo_loss, sequence_grad=False),
+    "cispo": PolicyLoss(cispo_loss, sequence_grad=False),
 }
 
 

@@ -314,6 +314,38 @@ class PolicyModel:
         out.update({f"routing_drift_set/layer{i}": float(v) for i, v in enumerate(fractions["set_per_layer"])})
         return out
 
+    def routing_agreement(self, seqs: Sequence[TrainSequence], recorder) -> dict[str, float]:
+        """Per MoE layer, the fraction of the rollout engine's top-k experts (each sequence's
+        ``routed_experts``, [R, num_moe_layers, top_k]) the trainer's forward ``recorder`` saw (a
+        RoutingRecorder around one free ``compute_logprobs(seqs)``) shares, over the response tokens' label
+        positions (the positions whose routing makes the response log-probs), every rank.
+
+        Reduced over the whole world, not only DP: pipeline stages hold different layers, and every rank
+        must read the same overall agreement (the ``auto`` replay decision is taken on it); ranks holding
+        the same record (TP) scale both sums alike. ``routing_agreement``: the mean over (token, layer);
+        ``routing_agreement/layerN`` for each MoE layer N."""
+        from gspo_megatron.megatron.routing import (agreement_fractions, moe_layer_index, moe_routers, reduce_drift,
+                                                    routing_agreement)
+
+        missing = [i for i, q in enumerate(seqs) if q.routed_experts is None]
+        if missing:
+            raise ValueError(f"routing_agreement: sequences {missing[:5]} carry no engine experts "
+                             "(the rollout must be asked for them: return_routed_experts)")
+        index = moe_layer_index(self.module.config)
+        layers = sorted(moe_routers(self.module))
+        response = [slice(q.prompt_len - 1, int(q.tokens.numel()) - 1) for q in seqs]
+
+        def by_layer(rows_per_seq):
+            return {layer: torch.cat([rows[cut, index[layer]].to(torch.long) for rows, cut in zip(rows_per_seq, response)])
+                    for layer in layers}
+
+        stats = routing_agreement(by_layer([q.routed_experts for q in seqs]), by_layer(self.sequence_routing(seqs, recorder)),
+                                  num_layers=self.model_config.num_layers)
+        fractions = agreement_fractions(reduce_drift(stats))
+        out = {"routing_agreement": float(fractions["overall"])}
+        out.update({f"routing_agreement/layer{i}": float(v) for i, v in enumerate(fractions["per_layer"]) if v == v})
+        return out
+
     def _require_trainable(self, what: str) -> None:
         if self.frozen:
             raise ValueError(f"{what}: this PolicyModel is frozen (the KL reference); it only runs forward-only "

@@ -297,6 +297,43 @@ def drift_fractions(stats: Mapping[str, Tensor]) -> dict[str, Tensor]:
             "set_overall": _ratio(stats["changed"].sum(), stats["tokens"].sum())}
 
 
+# ---- agreement between the rollout engine and the trainer -----------------------------------------
+
+
+def routing_agreement(engine: Mapping[int, Tensor], trainer: Mapping[int, Tensor], *,
+                      num_layers: int | None = None) -> dict[str, Tensor]:
+    """Per layer, how many of the engine's top-k experts the trainer's forward of the same tokens also chose.
+
+    engine, trainer: {global layer: [N, top_k] expert ids} of the same N tokens (any order per token);
+    num_layers:      length of the per-layer vectors (as ``routing_drift``).
+    Returns float64 sums, reducible with ``reduce_drift`` (the drift sums of engine -> trainer: an expert
+    the trainer did not choose is one that "moved"); ``agreement_fractions`` turns them into
+    sum_tokens |E_engine & E_trainer| / (tokens x k) per layer.
+    """
+    return routing_drift(engine, trainer, num_layers=num_layers)
+
+
+def agreement_fractions(stats: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """From ``routing_agreement`` sums (reduced): ``per_layer`` [num_layers], the fraction of the engine's
+    top-k experts the trainer shares (1 - the engine -> trainer drift; NaN on a layer nothing was compared
+    on: a dense layer or one routed by no token), and ``overall``, the mean over every (token, layer)."""
+    slots = stats["slots"]
+    per_layer = torch.where(slots > 0, 1.0 - stats["moved"] / slots.clamp(min=1.0), float("nan"))
+    total = slots.sum()
+    overall = 1.0 - stats["moved"].sum() / total if total > 0 else torch.tensor(float("nan"), dtype=torch.float64)
+    return {"per_layer": per_layer, "overall": overall}
+
+
+def replay_for_step(mode: str, agreement: float, threshold: float) -> str:
+    """The Routing Replay of one step under ``train.routing_replay`` ``mode``: ``auto`` replays the engine's
+    experts (``r3``) when the step's engine/trainer ``agreement`` (``agreement_fractions``' overall) is
+    below ``threshold``, else routes freely (``off``); off, r2 and r3 are returned as they are. A NaN
+    agreement (no token compared) never switches."""
+    if mode != "auto":
+        return mode
+    return "r3" if agreement < threshold else "off"
+
+
 # ---- replay --------------------------------------------------------------------------------------
 
 

@@ -102,13 +102,15 @@ class RolloutSection:
 @dataclasses.dataclass
 class TrainSection:
     """steps: RL steps; prompts_per_step x samples_per_prompt responses per step, split into
-    minibatches_per_step optimizer steps (the paper uses 4). routing_replay: off | r2 | r3."""
+    minibatches_per_step optimizer steps (the paper uses 4). routing_replay: off | r2 | r3 | auto (per
+    step: r3 when the engine/trainer routing agreement is below routing_agreement_threshold, else off)."""
 
     steps: int = 20
     prompts_per_step: int = 8
     minibatches_per_step: int = 4
     max_tokens_per_microbatch: int = 2048
-    routing_replay: Literal["off", "r2", "r3"] = "off"
+    routing_replay: Literal["off", "r2", "r3", "auto"] = "off"
+    routing_agreement_threshold: float = 0.9  # auto: fraction of the engine's top-k experts the trainer shares
     measure_routing_drift: bool = True
     seed: int = 0
     # sync: generate, then train on it. overlap: the engine (its own process) generates the next steps'
@@ -126,6 +128,8 @@ class TrainSection:
         check(self.max_tokens_per_microbatch >= 1, f"{path}.max_tokens_per_microbatch", "must be >= 1")
         check(self.max_staleness >= 0, f"{path}.max_staleness", f"must be >= 0, got {self.max_staleness}")
         check(self.trainer_threads >= 0, f"{path}.trainer_threads", f"must be >= 0, got {self.trainer_threads}")
+        check(0.0 <= self.routing_agreement_threshold <= 1.0, f"{path}.routing_agreement_threshold",
+              f"must be in [0, 1] (a fraction of top-k experts), got {self.routing_agreement_threshold}")
 
 
 @dataclasses.dataclass
@@ -219,9 +223,12 @@ class TrainConfig:
             check(self.model.config.is_moe, "train.routing_replay",
                   f"{self.train.routing_replay} replays MoE routing; model.config.num_experts is 0 (dense)")
         launch = self.rollout.sglang.launch if self.rollout.sglang is not None else None
-        if self.train.routing_replay == "r3" and self.rollout.engine == "sglang" and launch is not None:
+        check(self.train.routing_replay != "auto" or self.rollout.logprobs_from == "recompute",
+              "train.routing_replay", "auto compares the engine's experts with the recomputed old-policy "
+              "forward's: needs rollout.logprobs_from: recompute")
+        if self.train.routing_replay in ("r3", "auto") and self.rollout.engine == "sglang" and launch is not None:
             check(launch.enable_return_routed_experts, "rollout.sglang.launch.enable_return_routed_experts",
-                  "must be true with train.routing_replay: r3 (the servers must return the routed experts)")
+                  f"must be true with train.routing_replay: {self.train.routing_replay} (the servers must return the routed experts)")
         if self.rollout.engine == "sglang" and launch is not None:
             # the trainer's log-probs are of softmax(logits / T): the engine must report that distribution
             check(not launch.return_original_logprob or self.rollout.temperature == 1.0,

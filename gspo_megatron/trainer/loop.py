@@ -32,6 +32,7 @@ from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.parallel import initialize_model_parallel
 from gspo_megatron.batching import TrainSequence, iter_minibatches, split_for_data_parallel
 from gspo_megatron.megatron.policy_model import PolicyModel
+from gspo_megatron.megatron.routing import replay_for_step
 from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.trainer.batch_filling import BatchFiller, round_seed
 from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, overlap_timing, staleness, trainer_threads
@@ -225,7 +226,7 @@ class Trainer:
         """How the RL batch of ``step`` is sampled, in sync and overlap mode alike (``rollout``'s arguments)."""
         cfg = self.config
         return {"seed": step_seed(cfg.train.seed, step, 1), "temperature": cfg.rollout.temperature,
-                "max_new_tokens": cfg.rollout.max_new_tokens, "routed_experts": cfg.train.routing_replay == "r3"}
+                "max_new_tokens": cfg.rollout.max_new_tokens, "routed_experts": cfg.train.routing_replay in ("r3", "auto")}
 
     def _sampling(self, prompts, seed: int, temperature: float, max_new_tokens: int,
                   routed_experts: bool) -> tuple[list, SamplingParams]:
@@ -356,7 +357,7 @@ class Trainer:
         t0 = time.perf_counter()
 
         # 1-2. rollout and rewards
-        replay = cfg.train.routing_replay  # off | r2 (old-policy forward's experts) | r3 (the engine's)
+        replay = cfg.train.routing_replay  # off | r2 (old-policy forward's experts) | r3 (the engine's) | auto
         if self.ahead is None:
             batch, reward_metrics = self.rollout(next(self.prompts), samples_per_prompt=G, **self._rl_sampling(self.step))
             age, timing = 0, {}
@@ -376,7 +377,7 @@ class Trainer:
         rewards = torch.tensor([r for _, _, rs in batch for r in rs], dtype=torch.float32).view(len(batch), G)
         adv = group_advantages(rewards, estimator=cfg.loss.advantage_estimator, eps=cfg.loss.advantage_eps,
                                batch_norm=cfg.loss.advantage_batch_norm)
-        seqs = _training_sequences(batch, adv.advantages, with_routing=replay == "r3", keep=filled.keep)
+        seqs = _training_sequences(batch, adv.advantages, with_routing=replay in ("r3", "auto"), keep=filled.keep)
         minibatches = list(iter_minibatches(seqs, cfg.train.minibatches_per_step))
         shares = [split_for_data_parallel(mb, self.dp_size, self.dp_rank) for mb in minibatches]
         my_seqs = [q for share in shares for q in share]
@@ -384,7 +385,7 @@ class Trainer:
         # 4. old log-probs: recomputed by the training model (default) in one call for the whole step, or
         #    the engine's (paper section 5.4)
         t1 = time.perf_counter()
-        self._old_logprobs(my_seqs, replay)
+        replay, routing_metrics = self._old_logprobs(my_seqs, replay)  # auto: this step's r3 or off
         # 5. reference log-probs when the KL term is on
         if self.reference is not None:
             for q, o in zip(my_seqs, self.reference.compute_logprobs(my_seqs)):
@@ -408,6 +409,7 @@ class Trainer:
         metrics.update(_batch_metrics(batch, rewards, adv.zero_variance))
         metrics["staleness"] = float(age)
         metrics.update(filled.metrics)
+        metrics.update(routing_metrics)
         if self.ahead is not None:
             metrics.update({f"{k}/staleness{age}": v for k, v in list(metrics.items()) if k.startswith("clip_frac")})
             metrics.update(timing)
@@ -438,19 +440,31 @@ class Trainer:
         cfg = self.config
         return self.model_config.is_moe and cfg.train.measure_routing_drift and len(shares) > 1
 
-    def _old_logprobs(self, seqs: list[TrainSequence], replay: str) -> None:
+    def _old_logprobs(self, seqs: list[TrainSequence], replay: str) -> tuple[str, dict[str, float]]:
         """Step 4: set each sequence's ``old_logprobs``. Recomputed under R3 with the engine's experts; R2
-        stores the experts of this forward in the sequences."""
+        stores the experts of this forward in the sequences. Under ``auto`` the forward routes freely and
+        is compared with the engine's experts (``routing_agreement``); below
+        ``train.routing_agreement_threshold`` the old log-probs are recomputed with the engine's experts
+        and the step replays them (R3). Returns (this step's replay mode, agreement metrics)."""
         if self.config.rollout.logprobs_from == "engine":
             for q in seqs:
                 q.old_logprobs = q.rollout_logprobs
-            return
-        with self.policy.routing_recorder(replay == "r2") as recorder:
+            return replay, {}
+        auto = replay == "auto"
+        with self.policy.routing_recorder(replay == "r2" or auto) as recorder:
             old = self.policy.compute_logprobs(seqs, replay=replay == "r3")
+        metrics: dict[str, float] = {}
+        if auto:
+            metrics = self.policy.routing_agreement(seqs, recorder)
+            replay = replay_for_step(replay, metrics["routing_agreement"], self.config.train.routing_agreement_threshold)
+            metrics["routing_replay_active"] = float(replay == "r3")
+            if replay == "r3":
+                old = self.policy.compute_logprobs(seqs, replay=True)
         for q, o in zip(seqs, old):
             q.old_logprobs = o["logprobs"]
         if replay == "r2":
             self.policy.record_routing(seqs, recorder)
+        return replay, metrics
 
     def _free_routing(self, seqs: list[TrainSequence]):
         """A RoutingRecorder around one no-grad forward of ``seqs`` with free (not replayed) routing."""

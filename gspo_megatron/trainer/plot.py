@@ -21,12 +21,16 @@ PLOTS_DIR = "plots"
 
 @dataclasses.dataclass(frozen=True)
 class MetricGroup:
-    """One figure: ``file`` name stem, axis ``title`` and y ``label``, the ``metrics`` drawn in it."""
+    """One figure: ``file`` name stem, axis ``title`` and y ``label``, the ``metrics`` drawn in it (``name*``:
+    every logged metric starting with ``name``, such as the run's ``eval_pass@k``); with a
+    ``prefix`` (per-layer metrics such as ``routing_agreement/layer``), every logged metric named
+    ``prefix<N>`` too, in layer order (``metrics_of``)."""
 
     file: str
     title: str
     ylabel: str
     metrics: tuple[str, ...]
+    prefix: str = ""
 
 
 GROUPS: tuple[MetricGroup, ...] = (
@@ -40,6 +44,13 @@ GROUPS: tuple[MetricGroup, ...] = (
     MetricGroup("pass_at_k", "Held-out pass@k", "fraction solved", ("eval_pass@*",)),  # * : the run's k
     MetricGroup("timings", "Time per step", "seconds", ("time_step_s", "time_rollout_s", "time_logprobs_s",
                                                          "time_update_s", "time_sync_s")),
+    MetricGroup("routing_agreement", "Engine/trainer routing agreement (auto: R3 while replay active = 1)",
+                "fraction of top-k shared", ("routing_agreement", "routing_replay_active")),
+    MetricGroup("routing_agreement_layers", "Routing agreement per layer", "fraction of top-k shared", (),
+                prefix="routing_agreement/layer"),
+    MetricGroup("routing_drift_layers", "Routing drift per layer", "experts changed", (), prefix="routing_drift/layer"),
+    MetricGroup("stability_masks", "Masked and capped by the stability options", "fraction",
+                ("rollout_seq_mask_frac", "opsm_mask_frac", "icepop_mask_frac", "clip_frac_dual_token", "cispo_clip_frac")),
 )
 
 Series = tuple[list[int], list[float]]
@@ -81,25 +92,29 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
     return [str(d) for d in run_dirs]
 
 
-def _expand(group: MetricGroup, runs: list[Run]) -> MetricGroup:
-    """``prefix*`` metrics become the runs' keys with that prefix (e.g. eval_pass@4); none found: kept as is."""
+def metrics_of(group: MetricGroup, runs: list[Run]) -> list[str]:
+    """``group.metrics`` with each ``name*`` replaced by the keys the runs logged that start with ``name``
+    (e.g. eval_pass@4; none logged: ``name`` + ``k``), then the runs' ``group.prefix<N>`` metrics, by N."""
+    logged = {key for r in runs for record in r.records for key in record}
     metrics = []
     for m in group.metrics:
         if not m.endswith("*"):
             metrics.append(m)
             continue
-        keys = sorted({k for r in runs for rec in r.records for k in rec if k.startswith(m[:-1])})
-        metrics += keys or [m[:-1] + "k"]
-    return dataclasses.replace(group, metrics=tuple(metrics))
+        metrics += sorted(k for k in logged if k.startswith(m[:-1])) or [m[:-1] + "k"]
+    if group.prefix:
+        found = [k for k in logged if k.startswith(group.prefix) and k[len(group.prefix):].isdigit()]
+        metrics += sorted(found, key=lambda key: int(key[len(group.prefix):]))
+    return metrics
 
 
 def _draw_panel(ax, group: MetricGroup, runs: list[Run]) -> bool:
     """Draws ``group`` into ``ax``; False when no run has any of its metrics (the panel then says so)."""
     from matplotlib.ticker import MaxNLocator
 
-    group = _expand(group, runs)
-    present = [m for m in group.metrics if any(series(r.records, m)[0] for r in runs)]
-    absent = [m for m in group.metrics if m not in present]
+    metrics = metrics_of(group, runs)
+    present = [m for m in metrics if any(series(r.records, m)[0] for r in runs)]
+    absent = [m for m in metrics if m not in present]
     title = group.title if not absent else f"{group.title} (absent: {', '.join(absent)})"
     ax.set_title(title, fontsize=9)
     if not present:
@@ -146,10 +161,9 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None) -> list[Path]:
     runs = [Run(label, load_run(d)) for label, d in zip(run_labels(run_dirs), run_dirs)]
     out_dir = Path(out_dir) if out_dir is not None else run_dirs[0] / PLOTS_DIR
 
-    groups = [_expand(g, runs) for g in GROUPS]
-    with_data = [g for g in groups if any(series(r.records, m)[0] for r in runs for m in g.metrics)]
+    with_data = [g for g in GROUPS if any(series(r.records, m)[0] for r in runs for m in metrics_of(g, runs))]
     if not with_data:
-        wanted = sorted({m for g in GROUPS for m in g.metrics})
+        wanted = sorted({m for g in GROUPS for m in g.metrics} | {f"{g.prefix}N" for g in GROUPS if g.prefix})
         files = ", ".join(str(d / METRICS_FILE) for d in run_dirs)
         raise MetricsFileError(f"{files}: no plotted metric logged (looked for {', '.join(wanted)})")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -49,13 +49,22 @@ def test_zero_variance_groups_are_exactly_zero_and_counted(estimator):
     assert out.metrics["num_groups"].item() == 4
 
 
-def test_batch_norm_divides_by_batch_std_and_keeps_zero_groups():
+def test_batch_norm_is_lite_ppo_group_mean_over_the_batch_std_of_the_rewards():
     rewards = torch.tensor([[1.0, 0.5, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
-    plain = group_advantages(rewards, estimator="dr_grpo").advantages
-    normed = group_advantages(rewards, estimator="dr_grpo", batch_norm=True, eps=0.0).advantages
-    assert torch.allclose(normed, plain / plain.reshape(-1).std(), atol=1e-6)
-    assert normed.reshape(-1).std().item() == pytest.approx(1.0, abs=1e-5)
-    assert torch.count_nonzero(normed[1]) == 0
+    # Lite-PPO (arXiv 2508.08221): A = (r - group mean) / sample std of all 12 rewards, by hand
+    flat = [x for row in rewards.tolist() for x in row]
+    mean = sum(flat) / 12
+    batch_std = math.sqrt(sum((x - mean) ** 2 for x in flat) / 11)
+    expected = torch.tensor([[(x - sum(row) / 4) / batch_std for x in row] for row in rewards.tolist()])
+    for estimator in ("grpo", "dr_grpo"):  # the batch std replaces the group std: both give the same
+        normed = group_advantages(rewards, estimator=estimator, batch_norm=True, eps=0.0).advantages
+        assert torch.allclose(normed, expected, atol=1e-6), estimator
+        assert torch.count_nonzero(normed[1]) == 0
+    # the old form divided the group z-scores by their own batch std: a different scale
+    z = group_advantages(rewards, estimator="grpo", eps=0.0).advantages
+    assert (z / z.reshape(-1).std() - expected).abs().max() > 0.1
+    loo = group_advantages(rewards, estimator="loo", batch_norm=True, eps=0.0).advantages
+    assert torch.allclose(loo, expected * 4 / 3, atol=1e-6)
 
 
 def test_unequal_groups_by_id_match_rows_and_single_response_is_zero():

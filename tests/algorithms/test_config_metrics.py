@@ -20,6 +20,11 @@ def test_paper_defaults():
     explicit = build(LossConfig, {"algorithm": "grpo", "clip_low": 0.1}, "loss")
     assert (explicit.clip_low, explicit.clip_high) == (0.1, 0.27)
     assert to_dict(gspo)["clip_low"] == 3e-4  # the resolved value is what gets saved
+    cispo = build(LossConfig, {"algorithm": "cispo"}, "loss")
+    assert (cispo.clip_low, cispo.clip_high, cispo.aggregation) == (1.0, 4.0, "token_mean")
+    sapo = build(LossConfig, {"algorithm": "sapo"}, "loss")
+    assert (sapo.sapo_tau_pos, sapo.sapo_tau_neg, sapo.aggregation) == (1.0, 1.05, "seq_mean_token_mean")
+    assert gspo.aggregation == "seq_mean_token_mean" and gspo.dual_clip_c is None and not gspo.rollout_correction.active
 
 
 @pytest.mark.parametrize(
@@ -38,6 +43,18 @@ def test_paper_defaults():
         ({"advantage_eps": 0.0}, "loss.advantage_eps"),
         ({"advantage_estimator": "rloo"}, "loss.advantage_estimator"),
         ({"clip_lo": 0.1}, "loss.clip_lo"),
+        ({"algorithm": "sapo", "aggregation": "token_mean"}, "loss.aggregation"),
+        ({"algorithm": "sapo", "sapo_tau_neg": 0.0}, "loss.sapo_tau_neg"),
+        ({"algorithm": "grpo", "clip_low": 1.0}, "loss.clip_low"),
+        ({"algorithm": "cispo", "clip_low": 1.5}, "loss.clip_low"),
+        ({"dual_clip_c": 1.0}, "loss.dual_clip_c"),
+        ({"algorithm": "cispo", "dual_clip_c": 3.0}, "loss.dual_clip_c"),
+        ({"rollout_correction": {"icepop": True}}, "loss.rollout_correction.icepop"),
+        ({"algorithm": "grpo", "tis_mode": "token", "rollout_correction": {"icepop": True}}, "loss.rollout_correction.icepop"),
+        ({"rollout_correction": {"seq_mask": "token"}}, "loss.rollout_correction.seq_mask"),
+        ({"rollout_correction": {"seq_mask_high": 0.9}}, "loss.rollout_correction.seq_mask_high"),
+        ({"rollout_correction": {"icepop_low": 1.0}}, "loss.rollout_correction.icepop_low"),
+        ({"rollout_correction": {"opsm_delta": -1.0}}, "loss.rollout_correction.opsm_delta"),
     ],
 )
 def test_invalid_settings_name_the_field(mapping, field):

@@ -8,6 +8,7 @@ import torch
 from tests.algorithms.helpers import grad_of, random_raw
 
 from gspo_megatron.algorithms import (
+    RolloutCorrectionConfig,
     LossConfig,
     aggregate_token_terms,
     count_normalisers,
@@ -109,11 +110,16 @@ def reference_gspo_token(batch, normalisers, clip_low, clip_high):
         ({"algorithm": "grpo", "kl_coef": 0.2, "kl_estimator": "k3", "entropy_coef": 0.05}, True),
         ({"algorithm": "gspo", "clip_low": 0.05, "clip_high": 0.05, "kl_coef": 0.1, "kl_estimator": "k2", "entropy_coef": 0.02}, False),
         ({"algorithm": "gspo", "clip_low": 0.05, "clip_high": 0.05, "tis_mode": "sequence", "kl_coef": 0.1, "kl_estimator": "k1"}, False),
+        ({"algorithm": "grpo", "dual_clip_c": 1.5, "tis_mode": "sequence"}, False),
+        ({"algorithm": "sapo", "tis_mode": "token", "kl_coef": 0.1}, False),
+        ({"algorithm": "sapo", "entropy_coef": 0.02,
+          "rollout_correction": RolloutCorrectionConfig(icepop=True, icepop_low=0.95, icepop_high=1.05)}, True),
     ],
 )
 def test_gradcheck_float64(config, per_token, chunking):
-    """Numerical vs analytical Jacobian in float64 (GRPO and GSPO are true gradients of their values;
-    GSPO-token's stop-gradients make it one only in the sense of Eq. 14, checked in the next test)."""
+    """Numerical vs analytical Jacobian in float64 (GRPO, GSPO and SAPO are true gradients of their values;
+    GSPO-token's stop-gradients make it one only in the sense of Eq. 14, checked in the next test, and
+    CISPO's detached weight only in the sense of its surrogate, checked in test_stability.py)."""
     cfg = LossConfig(**config)
     n = sum(LENGTHS)
     scale = 1.0 if cfg.algorithm == "grpo" else 0.02  # GSPO: sequence means clear of the 0.05 clip bounds
@@ -323,7 +329,7 @@ def _bench_module():
     return module
 
 
-@pytest.mark.parametrize("algorithm", ["gspo", "gspo_token", "grpo"])
+@pytest.mark.parametrize("algorithm", ["gspo", "gspo_token", "grpo", "sapo", "cispo"])
 def test_peak_memory_is_the_gradient_plus_at_most_two_token_tensors(algorithm):
     bench = _bench_module()
     tokens = 65536

@@ -5,6 +5,7 @@ import pytest
 import torch
 from tests.algorithms.helpers import grad_of, random_raw
 
+from gspo_megatron.typed_config import build
 from gspo_megatron.algorithms import (
     LossConfig,
     LossNormalisers,
@@ -164,7 +165,7 @@ def test_gspo_needs_sequence_advantages():
 def test_gspo_refuses_a_token_aggregation(loss_fn):
     raw = random_raw([3, 3])
     batch = raw.batch(per_token=loss_fn is gspo_token_loss)
-    with pytest.raises(ValueError, match="aggregation='token_mean' applies to grpo only"):
+    with pytest.raises(ValueError, match="aggregation='token_mean' applies to grpo and cispo only"):
         loss_fn(batch, raw.normalisers(), LossConfig(aggregation="token_mean"))
 
 
@@ -201,10 +202,15 @@ def split_halves(raw):
         {"algorithm": "gspo", "tis_mode": "sequence", "kl_coef": 0.1, "entropy_coef": 0.01},
         {"algorithm": "gspo_token", "clip_low": 0.01, "clip_high": 0.01, "kl_coef": 0.1},
         {"algorithm": "grpo", "tis_mode": "sequence", "entropy_coef": 0.01},
+        {"algorithm": "sapo", "rollout_correction": {"seq_mask": "geometric", "seq_mask_low": 0.997, "seq_mask_high": 1.003,
+                                                     "opsm": True, "opsm_delta": 0.0}},
+        {"algorithm": "cispo", "kl_coef": 0.1, "rollout_correction": {"icepop": True, "icepop_low": 0.99, "icepop_high": 1.01}},
+        {"algorithm": "gspo", "clip_low": 0.002, "clip_high": 0.002, "dual_clip_c": 1.001,
+         "rollout_correction": {"seq_mask": "sequence", "seq_mask_low": 0.98, "seq_mask_high": 1.02, "opsm": True, "opsm_delta": 0.0}},
     ],
 )
 def test_context_parallel_split_reproduces_loss_and_gradient(config):
-    cfg = LossConfig(**config)
+    cfg = build(LossConfig, config, "loss")
     raw = random_raw([5, 8, 1, 6, 11], seed=5, scale=3e-3, mask_frac=0.1)
     n = raw.normalisers()
     whole, whole_metrics = policy_loss(cfg, raw.batch(), n)
@@ -224,5 +230,8 @@ def test_context_parallel_split_reproduces_loss_and_gradient(config):
     grads_split = grad_of(loss0 + loss1, raw.logprobs, raw.entropy)
     for a, b in zip(grads_whole, grads_split):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-9)
-    for key in ("seqs", "tokens", "clip_low_seqs", "clip_high_tokens", "seq_ratio_sum", "adv_sum"):
-        assert torch.allclose(m0[key] + m1[key], whole_metrics[key], rtol=1e-5, atol=1e-6), key
+    keys = ("seqs", "tokens", "clip_low_seqs", "clip_high_tokens", "seq_ratio_sum", "adv_sum", "clip_dual_tokens",
+            "rc_seq_masked", "rc_opsm_masked", "rc_icepop_masked", "sapo_gate_slope_sum", "cispo_clipped_tokens")
+    for key in keys:
+        if key in whole_metrics:
+            assert torch.allclose(m0[key] + m1[key], whole_metrics[key], rtol=1e-5, atol=1e-6), key

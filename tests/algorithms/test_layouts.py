@@ -14,6 +14,7 @@ from gspo_megatron.algorithms import (
     padded_batch,
     policy_loss,
 )
+from gspo_megatron.typed_config import build
 
 CONFIGS = [
     {"algorithm": "gspo"},
@@ -22,6 +23,12 @@ CONFIGS = [
     {"algorithm": "grpo", "entropy_coef": 0.01, "tis_mode": "token"},
     {"algorithm": "grpo", "aggregation": "token_mean", "kl_coef": 0.1, "kl_estimator": "k1"},
     {"algorithm": "grpo", "aggregation": "token_sum", "constant_length_tokens": 32},
+    {"algorithm": "sapo", "kl_coef": 0.05, "tis_mode": "sequence"},
+    {"algorithm": "cispo", "entropy_coef": 0.01, "rollout_correction": {"icepop": True, "icepop_low": 0.99, "icepop_high": 1.01}},
+    {"algorithm": "grpo", "dual_clip_c": 1.01, "clip_low": 0.005, "clip_high": 0.005,
+     "rollout_correction": {"seq_mask": "geometric", "seq_mask_low": 0.997, "seq_mask_high": 1.003, "opsm": True, "opsm_delta": 0.0}},
+    {"algorithm": "gspo", "clip_low": 0.2, "clip_high": 0.2, "dual_clip_c": 1.5,
+     "rollout_correction": {"seq_mask": "sequence", "seq_mask_low": 0.98, "seq_mask_high": 1.02, "opsm": True, "opsm_delta": 0.0}},
 ]
 LENGTHS = [3, 9, 1, 6, 12, 4, 7, 2]
 
@@ -38,7 +45,7 @@ def to_padded(raw, x, fill):
     [(c, False) for c in CONFIGS] + [(c, True) for c in CONFIGS if c["algorithm"] != "gspo"],  # gspo: one advantage per sequence
 )
 def test_packed_equals_padded(config, per_token):
-    cfg = LossConfig(**config)
+    cfg = build(LossConfig, config, "loss")
     raw = random_raw(LENGTHS, seed=21, scale=0.01, mask_frac=0.2)
     packed_loss, packed_m = policy_loss(cfg, raw.batch(per_token=per_token), raw.normalisers())
     # padding holds garbage (inf / NaN) that must never reach a value or a gradient
@@ -66,7 +73,7 @@ def test_packed_equals_padded(config, per_token):
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_micro_batch_split_with_global_normalisers(config):
-    cfg = LossConfig(**config)
+    cfg = build(LossConfig, config, "loss")
     raw = random_raw(LENGTHS, seed=22, scale=0.01, mask_frac=0.2)
     n = raw.normalisers()
     whole, whole_m = policy_loss(cfg, raw.batch(), n)
@@ -114,7 +121,7 @@ def test_local_normalisers_would_break_the_split():
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_all_masked_and_empty_micro_batches(config):
-    cfg = LossConfig(**config)
+    cfg = build(LossConfig, config, "loss")
     raw = random_raw([4, 3], seed=24)
     raw.mask[:] = False
     n = LossNormalisers(num_seqs=5.0, num_tokens=40.0)  # the rest of the mini-batch lives elsewhere

@@ -3,7 +3,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gspo_megatron.algorithms import LossConfig, LossNormalisers, finalize_metrics, group_advantages, packed_batch, policy_loss
+from gspo_megatron.algorithms import (
+    LossConfig,
+    LossNormalisers,
+    RolloutCorrectionConfig,
+    finalize_metrics,
+    group_advantages,
+    packed_batch,
+    policy_loss,
+)
 
 # Any finite float32 as a log-prob (even positive ones), mixed with realistic values so both regimes occur.
 LOGPROB = st.one_of(st.floats(width=32, allow_nan=False, allow_infinity=False), st.floats(min_value=-30.0, max_value=0.0, width=32))
@@ -16,8 +24,13 @@ CONFIGS = [
     LossConfig(algorithm="gspo_token", kl_coef=0.1, kl_estimator="k1", tis_mode="token"),
     LossConfig(algorithm="grpo", aggregation="token_mean", kl_coef=1.0, kl_estimator="k2", entropy_coef=0.1),
     LossConfig(algorithm="grpo", aggregation="token_sum", constant_length_tokens=4, tis_mode="token"),
+    LossConfig(algorithm="sapo", kl_coef=0.1, tis_mode="token"),
+    LossConfig(algorithm="cispo", entropy_coef=0.1, rollout_correction=RolloutCorrectionConfig(icepop=True, seq_mask="sequence")),
+    LossConfig(algorithm="grpo", dual_clip_c=3.0, rollout_correction=RolloutCorrectionConfig(icepop=True, seq_mask="geometric")),
+    LossConfig(algorithm="gspo", dual_clip_c=3.0, rollout_correction=RolloutCorrectionConfig(opsm=True, seq_mask="sequence")),
 ]
-FRACTIONS = ("clip_frac_low_token", "clip_frac_high_token", "clip_frac_low_seq", "clip_frac_high_seq", "zero_adv_seq_frac")
+FRACTIONS = ("clip_frac_low_token", "clip_frac_high_token", "clip_frac_low_seq", "clip_frac_high_seq", "zero_adv_seq_frac",
+             "clip_frac_dual_token", "cispo_clip_frac", "rollout_seq_mask_frac", "opsm_mask_frac", "icepop_mask_frac")
 
 
 @st.composite
@@ -88,7 +101,8 @@ def test_losses_and_gradients_are_finite(b):
     for key, value in final.items():
         assert torch.isfinite(value), key
     for key in FRACTIONS:
-        assert 0.0 <= final[key].item() <= 1.0 + 1e-6, key
+        if key in final:  # each algorithm and option reports its own
+            assert 0.0 <= final[key].item() <= 1.0 + 1e-6, key
     if not b["mask"].any():
         assert loss.item() == 0.0
 

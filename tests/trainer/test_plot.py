@@ -109,3 +109,19 @@ def test_length_pass_at_k_and_timing_charts_with_integer_step_ticks(tmp_path):
     drift = Figure().add_subplot(1, 1, 1)
     plot._draw_panel(drift, next(g for g in plot.GROUPS if g.file == "routing_drift"), runs)
     assert drift.get_ylabel() == "fraction of activated experts changed"
+
+
+def test_per_layer_agreement_panel_draws_every_logged_layer_in_order(tmp_path):
+    run = tmp_path / "auto"
+    run.mkdir()
+    records = [{"step": s, "routing_agreement": 0.9 - 0.1 * s, "routing_replay_active": float(s >= 2),
+                "routing_agreement/layer0": 0.95 - 0.1 * s, "routing_agreement/layer10": 0.85 - 0.1 * s,
+                "routing_agreement/layer2": 0.9, "routing_agreement/layerx": 1.0} for s in range(4)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    group = next(g for g in plot.GROUPS if g.file == "routing_agreement_layers")
+    assert plot.metrics_of(group, [plot.Run("auto", records)]) == [
+        "routing_agreement/layer0", "routing_agreement/layer2", "routing_agreement/layer10"]
+    names = [p.name for p in plot.plot_runs([run])]
+    assert names == ["routing_agreement.png", "routing_agreement_layers.png", "overview.png"]
+    for path in (run / "plots").glob("*.png"):
+        _assert_png(path)

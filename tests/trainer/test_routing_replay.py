@@ -113,3 +113,49 @@ def test_r3_config_checks():
         load_config(DEMO, ["train.routing_replay=r2", "rollout.logprobs_from=engine"])
     with pytest.raises(ConfigError, match=r"^train\.routing_replay: r3 replays MoE routing"):
         load_config(DEMO, ["train.routing_replay=r3", "model.config.num_experts=0"])
+
+
+def auto_steps(rank, world_size, run_dir: str) -> dict:
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.trainer.loop import Trainer
+
+    overrides = ["sft.steps=0", "train.steps=2", "logging.console=false", "logging.tensorboard=false",
+                 "train.prompts_per_step=4", "train.routing_replay=auto", "train.routing_agreement_threshold=0.99"]
+    trainer = Trainer(load_config(DEMO, overrides), run_dir)
+    flags: list[list[bool]] = [[], []]
+    real_train = trainer.policy.train_minibatch
+
+    def train_minibatch(seqs, replay=False):
+        flags[trainer.step].append(replay)
+        return real_train(seqs, replay=replay)
+
+    trainer.policy.train_minibatch = train_minibatch
+    # the engine keeps the initial weights; moving the trainer's routers (not synced until step 7) makes the
+    # two route differently on step 1: a stale engine, as in overlap mode
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in trainer.policy.module.named_parameters():
+            if name.endswith("router.weight"):
+                p.add_(torch.randn(p.shape, generator=generator) * p.std())
+    steps = []
+    for _ in range(2):
+        steps.append({k: v for k, v in trainer.train_step().items() if k.startswith("routing_")})
+        trainer.step += 1
+    trainer.close()
+    return {"steps": steps, "flags": flags}
+
+
+@pytest.mark.slow
+def test_auto_replays_the_engines_experts_only_while_agreement_is_low(tmp_path):
+    out = run_distributed(auto_steps, 1, (str(tmp_path),))[0]
+    first, second = out["steps"]
+    for metrics in (first, second):
+        assert set(metrics) >= {"routing_agreement", "routing_agreement/layer0", "routing_agreement/layer1",
+                                "routing_replay_active"}
+        assert metrics["routing_agreement"] == pytest.approx(
+            (metrics["routing_agreement/layer0"] + metrics["routing_agreement/layer1"]) / 2, abs=0.02)
+    # step 1: the moved routers disagree with the stale engine -> R3 in every update forward
+    assert first["routing_agreement"] < 0.99 and first["routing_replay_active"] == 1.0 and all(out["flags"][0])
+    # step 2: the weights were synced at the end of step 1, so both route alike -> free routing again
+    assert second["routing_agreement"] == 1.0 and second["routing_replay_active"] == 0.0
+    assert out["flags"][1] and not any(out["flags"][1])
