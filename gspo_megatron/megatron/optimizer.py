@@ -39,6 +39,10 @@ class OptimizerConfig:
         check(self.decay_style in ("constant", "linear", "cosine"), f"{path}.decay_style",
               f"must be constant, linear or cosine, got {self.decay_style!r}")
         check(self.clip_grad >= 0, f"{path}.clip_grad", "must be >= 0 (0 disables clipping)")
+        check(self.weight_decay >= 0, f"{path}.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            check(0 <= getattr(self, name) < 1, f"{path}.{name}", f"must be in [0, 1), got {getattr(self, name)}")
+        check(self.adam_eps > 0, f"{path}.adam_eps", f"must be > 0, got {self.adam_eps}")
 
 
 def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, precision: str = "fp32"):

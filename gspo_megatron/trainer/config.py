@@ -139,6 +139,7 @@ class EvalSection:
         check(self.every_steps >= 0, f"{path}.every_steps", "must be >= 0")
         check(self.num_prompts >= 1, f"{path}.num_prompts", "must be >= 1")
         check(self.pass_k >= 1, f"{path}.pass_k", "must be >= 1")
+        check(self.temperature > 0, f"{path}.temperature", f"must be > 0, got {self.temperature}")
 
 
 @dataclasses.dataclass

@@ -208,7 +208,8 @@ class Trainer:
     def rollout(self, prompts, seed: int, samples_per_prompt: int, temperature: float, max_new_tokens: int,
                 routed_experts: bool = False):
         """Generate this DP rank's share of ``prompts``, score it, and gather the whole batch on every
-        rank: a list (in prompt order) of (prompt sample, [sample x G], [reward x G]). ``routed_experts``:
+        rank: a list (in prompt order) of (prompt sample, [sample x G], [reward x G], [correct x G]; correct:
+        the verifiers' verdict, rewards/pool.py response_correct, never a threshold). ``routed_experts``:
         the engine also returns the experts of every fed position (Routing Replay R3). ``seed`` must be the
         same on every rank: with the prompts' global indices it seeds each sample (layout-independent)."""
         mine, params = self._sampling(prompts, seed, temperature, max_new_tokens, routed_experts)
@@ -237,11 +238,13 @@ class Trainer:
         """Rewards of this rank's samples, then the whole batch on every rank (see ``rollout``)."""
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         batch = [(mine[i // samples_per_prompt], t) for i, t in enumerate(texts)]
-        rewards, reward_metrics = self.rewards.score(batch) if batch else ([], {})
+        scores = self.rewards.score_verdicts(batch) if batch else None
+        rewards, correct = (scores.rewards, scores.correct) if scores is not None else ([], [])
+        reward_metrics = scores.metrics if scores is not None else {}
         local = []
         for k, prompt in enumerate(mine):
             group = slice(k * samples_per_prompt, (k + 1) * samples_per_prompt)
-            local.append((prompt, samples[group], rewards[group]))
+            local.append((prompt, samples[group], rewards[group], correct[group]))
         parts = [None] * self.dp_size
         dist.all_gather_object(parts, (local, reward_metrics), group=self.policy.groups.data_parallel)
         gathered = [item for part, _ in parts for item in part]
@@ -352,7 +355,7 @@ class Trainer:
             self.engine.release_memory()
 
         # 3. group advantages (Eq. 6) over whole groups
-        rewards = torch.tensor([r for _, _, rs in batch for r in rs], dtype=torch.float32).view(len(batch), G)
+        rewards = torch.tensor([r for _, _, rs, _ in batch for r in rs], dtype=torch.float32).view(len(batch), G)
         adv = group_advantages(rewards, estimator=cfg.loss.advantage_estimator, eps=cfg.loss.advantage_eps,
                                batch_norm=cfg.loss.advantage_batch_norm)
         seqs = _training_sequences(batch, adv.advantages, with_routing=replay == "r3")
@@ -473,11 +476,11 @@ class Trainer:
         prompts = list(data)[:cfg.num_prompts]
         seed = step_seed(self.config.train.seed + 17, self.step, 0)  # the same on every rank (see rollout)
         greedy, _ = self.rollout(prompts, seed, 1, 0.0, self.config.rollout.max_new_tokens)  # 0: greedy
-        out = {"eval_accuracy": sum(float(rs[0] >= 1.0) for _, _, rs in greedy) / max(len(greedy), 1)}
+        out = {"eval_accuracy": _fraction([ok[0] for _, _, _, ok in greedy])}
         if cfg.pass_k > 1:
             sampled, _ = self.rollout(prompts, seed + 1, cfg.pass_k, cfg.temperature, self.config.rollout.max_new_tokens)
-            out[f"eval_pass@{cfg.pass_k}"] = sum(float(max(rs) >= 1.0) for _, _, rs in sampled) / max(len(sampled), 1)
-        return out
+            out[f"eval_pass@{cfg.pass_k}"] = _fraction([_any_correct(oks) for _, _, _, oks in sampled])
+        return {k: v for k, v in out.items() if v is not None}  # None: no reward term judges correctness
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.run_dir / "checkpoints" / f"step_{step:06d}"
@@ -624,7 +627,7 @@ def _training_sequences(batch, advantages: torch.Tensor, with_routing: bool) -> 
     """Step 3's output: one TrainSequence per sample with a non-empty response, in prompt-major order;
     ``with_routing``: each carries the engine's experts (R3)."""
     seqs = []
-    for (prompt, samples, _), group in zip(batch, advantages):
+    for (prompt, samples, _, _), group in zip(batch, advantages):
         for sample, a in zip(samples, group.tolist()):
             tokens = torch.tensor(list(prompt.prompt_ids) + list(sample.response_ids), dtype=torch.long)
             seqs.append(TrainSequence(tokens, len(prompt.prompt_ids), advantage=a,
@@ -634,10 +637,23 @@ def _training_sequences(batch, advantages: torch.Tensor, with_routing: bool) -> 
 
 
 def _batch_metrics(batch, rewards: torch.Tensor, zero_variance: torch.Tensor) -> dict[str, float]:
-    """Reward, accuracy and response-length statistics of a rollout batch (rewards [B, G])."""
-    lengths = torch.tensor([len(s.response_ids) for _, samples, _ in batch for s in samples], dtype=torch.float32)
-    return {"reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "accuracy": float((rewards >= 1.0).float().mean()),
-            "zero_variance_group_frac": float(zero_variance.float().mean()),
-            "response_length_mean": float(lengths.mean())}
+    """Reward, accuracy (the verifiers' verdicts) and response-length statistics of a rollout batch (rewards [B, G])."""
+    lengths = torch.tensor([len(s.response_ids) for _, samples, _, _ in batch for s in samples], dtype=torch.float32)
+    out = {"reward_mean": float(rewards.mean()),
+           "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+           "accuracy": _fraction([ok for _, _, _, oks in batch for ok in oks]),
+           "zero_variance_group_frac": float(zero_variance.float().mean()),
+           "response_length_mean": float(lengths.mean())}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _fraction(correct: list[bool | None]) -> float | None:
+    """The fraction of correct responses; None when any is unjudged (no reward term judges correctness)."""
+    if any(ok is None for ok in correct):
+        return None
+    return sum(float(ok) for ok in correct) / max(len(correct), 1)
+
+
+def _any_correct(group: list[bool | None]) -> bool | None:
+    """pass@k of one prompt: any of its k responses correct (None when unjudged)."""
+    return None if any(ok is None for ok in group) else any(group)
