@@ -70,7 +70,10 @@ def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, pr
         optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
         lr_warmup_steps=optim.warmup_steps, lr_decay_steps=decay_steps,
         lr_decay_style=optim.decay_style if optim.decay_steps else "constant",
-        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+        # a resume with changed optimizer.* settings applies them (trainer/resume.py): the schedule's
+        # values come from the config, only its step count from the checkpoint
+        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
     if not torch.cuda.is_available():
         # Without apex/TE Megatron uses torch.optim.AdamW, which on CPU defaults to a per-tensor loop;
         # its fused CPU kernel computes the same update in one pass (the GPU path uses TE/apex fused Adam).

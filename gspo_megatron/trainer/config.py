@@ -100,6 +100,10 @@ class TrainSection:
     # torch threads of each trainer process in overlap mode; 0: the process's share of the cores minus
     # rollout.engine_threads. More can pay: the engine is idle once its batch is ahead.
     trainer_threads: int = 0
+    # seconds the scheduler leaves between its stop signal and SIGKILL (Slurm: KillWait, or the --signal
+    # lead time); a step then stops between mini-batches when finishing it and saving would not fit (its
+    # rest is saved and resumed exactly). 0: unknown, every step is finished before the save (docs/slurm.md)
+    preemption_grace_s: float = 0.0
 
     def validate(self, path: str) -> None:
         check(self.steps >= 0, f"{path}.steps", "must be >= 0")
@@ -108,6 +112,7 @@ class TrainSection:
         check(self.max_tokens_per_microbatch >= 1, f"{path}.max_tokens_per_microbatch", "must be >= 1")
         check(self.max_staleness >= 0, f"{path}.max_staleness", f"must be >= 0, got {self.max_staleness}")
         check(self.trainer_threads >= 0, f"{path}.trainer_threads", f"must be >= 0, got {self.trainer_threads}")
+        check(self.preemption_grace_s >= 0, f"{path}.preemption_grace_s", f"must be >= 0, got {self.preemption_grace_s}")
 
 
 @dataclasses.dataclass

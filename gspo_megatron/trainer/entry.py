@@ -30,20 +30,21 @@ def _positive_int(text: str) -> int:
 
 def _relaunch_with_torchrun(argv: list[str], nproc: int) -> int:
     """Re-run this command under torchrun on this machine with ``nproc`` processes. torchrun and its
-    ranks die with this command (SIGKILL included); SIGTERM / SIGINT reach torchrun, which stops the ranks
-    (they save a checkpoint at the end of the step, see trainer/preemption.py)."""
+    ranks die with this command (SIGKILL included); SIGTERM / SIGINT / SIGHUP reach the ranks past torchrun
+    (they save a checkpoint and exit 0, trainer/preemption.py), so torchrun's 30 s kill never starts."""
     from gspo_megatron.processes import DIE_WITH_PARENT_ENV, run_forwarding_signals
 
     args = [a for i, a in enumerate(argv) if not (a.startswith("--nproc") or (i and argv[i - 1] == "--nproc"))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "gspo_megatron.cli", *args]
-    return run_forwarding_signals(cmd, env={**os.environ, DIE_WITH_PARENT_ENV: "1"})
+    return run_forwarding_signals(cmd, env={**os.environ, DIE_WITH_PARENT_ENV: "1"}, to_ranks=True)
 
 
 def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     from gspo_megatron.trainer.launch_env import export_for_torch, resolve_launch
 
     from gspo_megatron import processes
+    from gspo_megatron.reporting import EXIT_INTERRUPTED
 
     launch = resolve_launch(os.environ)
     if launch.launcher == "single" and args.nproc > 1:
@@ -67,7 +68,9 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     trainer = Trainer(config, run_dir, resume=args.resume, init_checkpoint=args.init_from)
     try:
         trainer.run()
+        stopped_by = trainer.preemption.signal_name
     finally:
         trainer.close()
         parallel.destroy()
-    return 0
+    # a stop signal saves and exits 0 (Slurm's requeue reads that), Ctrl-C 130 like any interrupted command
+    return EXIT_INTERRUPTED if stopped_by == "SIGINT" else 0
