@@ -650,7 +650,7 @@ class Trainer:
 
     def _report_stop(self, where: str) -> None:
         if self.is_main:
-            print(f"preempted ({self.preemption.signal_name}) {where}: checkpoint saved at step {self.step}; exiting",
+            print(f"preempted: checkpoint saved at step {self.step}; exiting ({self.preemption.signal_name} {where})",
                   flush=True)
 
     def run(self) -> dict[str, float]:
