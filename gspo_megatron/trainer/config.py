@@ -25,6 +25,10 @@ from gspo_megatron.rollout.sglang_config import SGLangConfig
 from gspo_megatron.typed_config import ConfigError, build, check, to_dict
 
 
+# any of these makes a folder loadable by transformers' AutoTokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 @dataclasses.dataclass
 class ModelSection:
     """Either ``hf_dir`` (a Hugging Face folder: config.json, safetensors, tokenizer) or an inline
@@ -44,6 +48,10 @@ class ModelSection:
     def validate(self, path: str) -> None:
         check((self.hf_dir is None) != (self.config is None), f"{path}.hf_dir",
               "set exactly one of model.hf_dir and model.config")
+        if self.hf_dir is not None and self.tokenizer_dir is None and Path(self.hf_dir).is_dir():
+            check(any((Path(self.hf_dir) / name).is_file() for name in TOKENIZER_FILES), f"{path}.hf_dir",
+                  f"{self.hf_dir} holds no tokenizer ({', '.join(TOKENIZER_FILES)}); add it or set "
+                  f"{path}.tokenizer_dir")
 
     @property
     def runtime(self) -> ModelRuntime:
@@ -219,6 +227,17 @@ class TrainConfig:
             model, where = ModelConfig.from_hf_dir(self.model.hf_dir), f"{self.model.hf_dir}/config.json:"
         if model is not None:
             check_layout(self.parallel, model, where)
+            longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+            check(longest <= model.max_position_embeddings, "rollout.max_new_tokens",
+                  f"data.max_prompt_tokens={self.data.max_prompt_tokens} + rollout.max_new_tokens="
+                  f"{self.rollout.max_new_tokens} = {longest} is beyond {where}{'' if where.endswith(':') else '.'}"
+                  f"max_position_embeddings={model.max_position_embeddings}")
+
+
+def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
+    """The layout fits ``world_size`` processes (checked before any rank starts: Megatron's own check is a
+    traceback in every rank): TP x PP x CP divides it and EP divides what is left for data x context."""
+    parallel.data_parallel(world_size)
 
 
 def check_layout(parallel: ParallelConfig, model: ModelConfig, where: str) -> None:

@@ -46,7 +46,12 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     from gspo_megatron import processes
     from gspo_megatron.reporting import EXIT_INTERRUPTED
 
+    from gspo_megatron.trainer.config import check_world_size, load_config
+
     launch = resolve_launch(os.environ)
+    # every bad setting is named here, once, before torchrun or any rank starts
+    config = load_config(args.config, args.overrides)
+    check_world_size(config.parallel, args.nproc if launch.launcher == "single" else launch.world_size)
     if launch.launcher == "single" and args.nproc > 1:
         return _relaunch_with_torchrun(argv, args.nproc)
     if os.environ.get(processes.DIE_WITH_PARENT_ENV) == "1":
@@ -57,12 +62,10 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.trainer.config import load_config
     from gspo_megatron.trainer.loop import Trainer
 
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(launch.local_world_size, 1)))
-    config = load_config(args.config, args.overrides)  # validated before any process group exists
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
     parallel.init_process_group(launch.rank, launch.world_size, launch.master_addr, launch.master_port)
     trainer = Trainer(config, run_dir, resume=args.resume, init_checkpoint=args.init_from)

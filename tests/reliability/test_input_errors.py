@@ -99,3 +99,42 @@ def test_nproc_below_one_is_refused(nproc):
     proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(DEMO), "--nproc", nproc],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 2 and f"--nproc: must be >= 1, got {int(nproc)}" in proc.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optimizer.lr=.inf", "optimizer.lr: must be a finite number, got inf"),
+    ("loss.kl_coef=.nan", "loss.kl_coef: must be a finite number, got nan"),
+    ("rewards.terms=[{name: synthetic, weight: .nan}]", r"rewards.terms\[0\].weight: must be a finite number, got nan"),
+    ("optimizer.adam_beta2=1.0", r"optimizer.adam_beta2: must be in \[0, 1\), got 1.0"),
+    ("rollout.max_new_tokens=100", r"rollout.max_new_tokens: data.max_prompt_tokens=64 \+ rollout.max_new_tokens=100 = "
+                                   r"164 is beyond model.config.max_position_embeddings=128"),
+])
+def test_non_finite_and_out_of_range_settings_are_refused_at_start_up(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(DEMO, [override])
+
+
+def test_an_hf_dir_without_tokenizer_or_with_bad_json_is_named(tmp_path):
+    hf = tmp_path / "hf"
+    load_config(DEMO).model.config.to_hf_config().save_pretrained(hf)
+    data = ["data.train_files=[" + str(REPO / "examples" / "data" / "sort" / "train.jsonl") + "]"]
+    with pytest.raises(ConfigError, match=rf"model.hf_dir: {hf} holds no tokenizer \(tokenizer.json, .*set model.tokenizer_dir"):
+        load_config(None, [*data, f"model.hf_dir={hf}"])
+    (hf / "config.json").write_text('{"model_type": "qwen3_moe",\n  "hidden_size": }')
+    with pytest.raises(ConfigError, match=rf"{hf}/config.json:2: not valid JSON"):
+        load_config(None, [*data, f"model.hf_dir={hf}", f"model.tokenizer_dir={hf}"])
+
+
+@pytest.mark.parametrize("nproc, override, message", [
+    ("1", "parallel.expert_parallel=2", "parallel.expert_parallel=2 must divide data_parallel x context_parallel = 1 "
+                                        "at world size 1"),
+    ("3", "parallel.tensor_parallel=2", "parallel: world size 3 is not divisible by tensor_parallel x pipeline_parallel "
+                                        "x context_parallel = 2"),
+])
+def test_a_layout_that_does_not_fit_the_processes_is_refused_before_any_rank_starts(tmp_path, nproc, override, message):
+    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(DEMO), "--run-dir",
+                           str(tmp_path / "run"), override, "--nproc", nproc], capture_output=True, text=True, cwd=REPO,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if "error:" in line] == [f"gspo-megatron train: error: {message}"]
+    assert "torch.distributed" not in proc.stderr and not (tmp_path / "run").exists()
