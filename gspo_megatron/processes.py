@@ -56,6 +56,18 @@ def pid_running(pid: int) -> bool:
     return True
 
 
+def process_identity(pid: int) -> str | None:
+    """``boot_id:start_ticks`` of process ``pid``: a pid is reused, this pair is not (the start time in clock
+    ticks since boot, /proc/PID/stat field 22, on one boot). None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # the command name (field 2) is in parentheses and may hold spaces: count fields after its ")"
+    return f"{boot}:{stat.rsplit(')', 1)[1].split()[19]}"
+
+
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send ``sig`` to this process when the thread that started it exits."""
     if _libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(sig), 0, 0, 0) != 0:

@@ -138,3 +138,19 @@ def test_a_layout_that_does_not_fit_the_processes_is_refused_before_any_rank_sta
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert [line for line in proc.stderr.splitlines() if "error:" in line] == [f"gspo-megatron train: error: {message}"]
     assert "torch.distributed" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_eval_out_in_a_read_only_folder_is_refused_before_evaluating(tmp_path):
+    # a read-only tmpfs in a private mount namespace (root ignores permission bits, not a read-only mount)
+    import shutil
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+        pytest.skip("needs unshare -rm (user and mount namespaces) for a read-only mount")
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    probe = (f"from pathlib import Path; from gspo_megatron.trainer.evaluate import check_out_path; "
+             f"check_out_path(Path('{folder}') / 'eval.json')")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o ro tmpfs '{folder}' && exec "
+                           f"'{sys.executable}' -c \"{probe}\""], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode != 0 and f"--out {folder}/eval.json: cannot write into {folder} (Read-only file system)" \
+        in proc.stderr, proc.stderr[-2000:]
