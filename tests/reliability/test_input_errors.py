@@ -154,3 +154,17 @@ def test_eval_out_in_a_read_only_folder_is_refused_before_evaluating(tmp_path):
                            f"'{sys.executable}' -c \"{probe}\""], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode != 0 and f"--out {folder}/eval.json: cannot write into {folder} (Read-only file system)" \
         in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_full_disk_while_writing_metrics_names_the_file(tmp_path):
+    from gspo_megatron.reporting import is_bad_input
+    from gspo_megatron.trainer.metrics_log import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, console=False)
+    logger._file.close()
+    logger._file = open("/dev/full", "a")  # the disk fills up: every write fails with ENOSPC
+    with pytest.raises(OSError) as err:
+        logger.log(3, {"loss": 1.0})
+    assert str(err.value) == (f"[Errno 28] No space left on device while writing the metrics of step 3: "
+                              f"'{tmp_path / 'metrics.jsonl'}'")
+    assert is_bad_input(err.value)
