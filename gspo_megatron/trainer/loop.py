@@ -344,6 +344,10 @@ class Trainer:
     def _rollout_ahead(self) -> tuple[list, dict[str, float], int, dict[str, float]]:
         """Steps 1-2 in overlap mode: keep the next ``max_staleness`` steps' batches generating, take this
         step's, score it. Returns (batch, reward metrics, staleness, overlap timing)."""
+        healthy = torch.tensor([1 if self.engine.healthy() else 0])
+        dist.all_reduce(healthy, op=dist.ReduceOp.MIN)
+        if not int(healthy):  # an engine process died since the last sync: rebuilt, synced, queue resubmitted
+            self.sync_weights()
         self.ahead.top_up(self.step, lambda: next(self.prompts), self._submit)
         flight = self.ahead.pop(self.step)
         mine, params = self._flight_sampling(flight)
@@ -479,9 +483,26 @@ class Trainer:
         return per_minibatch, drift_metrics
 
     # ---- weights, evaluation, checkpoints --------------------------------------------------------
+    def _replace_dead_engine(self) -> bool | None:
+        """Overlap mode: an engine process killed since its last request (the OOM killer) is rebuilt before
+        the weights go to it, counted in faults/engine_restarts. A collective: None when no rank's engine
+        died, else whether this rank's was rebuilt."""
+        mine_dead = not self.engine.healthy()
+        dead = torch.tensor([1 if mine_dead else 0])
+        dist.all_reduce(dead)
+        if int(dead) == 0:
+            return None
+        if mine_dead:
+            print(f"rank {self.rank}: rollout engine process is gone; restarting it", flush=True)
+            self.engine.shutdown()
+            self.engine = self._build_engine()
+        self.faults["engine_restarts"] += int(dead)
+        return mine_dead
+
     def sync_weights(self) -> dict[str, float]:
         from gspo_megatron.rollout.weight_sync import sync_weights
 
+        rebuilt = self._replace_dead_engine() if self.ahead is not None else None
         self.engine.resume_memory(["weights"])  # a no-op unless released (RolloutEngine.releases_memory)
         if self.ahead is not None and self.config.rollout.engine == "sglang" and dist.get_world_size() > 1:
             # overlap: the servers are shared, so every rank's batch generated ahead must be finished before
@@ -496,6 +517,8 @@ class Trainer:
             # rank from generating before the servers hold them
             share_sync_report(self.engine)
         self.engine.resume_memory(["kv_cache", "cuda_graph"])
+        if rebuilt is not None:  # the batches queued ahead are generated again, by every rank's engine
+            self._resubmit_ahead(rebuilt=rebuilt)
         return stats
 
     def evaluate(self, stoppable: bool = False) -> dict[str, float] | None:
