@@ -13,9 +13,10 @@ parent *thread*, so each kind of child sets it differently:
 * Megatron's results-queue manager (``filesystem_async._get_write_results_queue``, a *spawned* server
   process holding sockets): ``own_checkpoint_results_queue()`` starts it with ``die_with_parent``.
 
-The command that relaunches itself under torchrun forwards SIGTERM / SIGINT / SIGHUP to torchrun
-(``run_forwarding_signals``), which stops its ranks; SIGKILL cannot be forwarded, so there the parent
-death signal of each level takes the tree down.
+The command that relaunches itself under torchrun forwards SIGTERM / SIGINT / SIGHUP past torchrun to its
+ranks (``run_forwarding_signals(to_ranks=True)``): torchrun would give them 30 s and then SIGKILL them,
+mid-save; the ranks save and exit 0, and torchrun with them. SIGKILL cannot be forwarded, so there the
+parent death signal of each level takes the tree down.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Sequence
 
 PR_SET_PDEATHSIG = 1
@@ -52,6 +54,18 @@ def pid_running(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def process_identity(pid: int) -> str | None:
+    """``boot_id:start_ticks`` of process ``pid``: a pid is reused, this pair is not (the start time in clock
+    ticks since boot, /proc/PID/stat field 22, on one boot). None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # the command name (field 2) is in parentheses and may hold spaces: count fields after its ")"
+    return f"{boot}:{stat.rsplit(')', 1)[1].split()[19]}"
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
@@ -116,7 +130,9 @@ def own_checkpoint_results_queue() -> None:
     filesystem_async._results_queue = manager.Queue()
 
 
-PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# the signals that stop a run with a checkpoint (trainer/preemption.py); helper processes ignore them: a
+# terminal's Ctrl-C and srun's signals reach every process of the group or step, not only the trainer
+PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def _results_queue_manager_init(parent_pid: int) -> None:
@@ -132,14 +148,52 @@ def wrap_command(command: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "gspo_megatron.processes", str(os.getpid()), "--", *command]
 
 
-def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = None) -> int:
+def worker_children(pid: int) -> list[int]:
+    """The children of ``pid`` that are torchrun workers (``LOCAL_RANK`` in their environment), not its
+    other helpers."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children += [int(c) for c in task.read_text().split()]
+        except OSError:
+            continue  # the thread ended meanwhile
+    workers = []
+    for child in sorted(set(children)):
+        try:
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        if any(var.startswith(b"LOCAL_RANK=") for var in environ):
+            workers.append(child)
+    return workers
+
+
+def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = None, to_ranks: bool = False) -> int:
     """Run ``command`` (dying with us), forward SIGTERM / SIGINT / SIGHUP to it, wait for it; the exit
-    status as a shell reports it (128 + signal when it was killed)."""
-    proc = subprocess.Popen(wrap_command(command), env=env)
+    status as a shell reports it (128 + signal when it was killed).
+
+    ``to_ranks`` (``command`` is torchrun): the command runs in its own session, so a terminal's Ctrl-C
+    reaches only us, and a signal goes to torchrun's workers as SIGTERM (a stop with a checkpoint,
+    trainer/preemption.py), torchrun itself untouched: it would SIGKILL them 30 s later. A second signal
+    kills the whole tree at once. After a first SIGINT a clean stop returns 130 (interrupted)."""
+    proc = subprocess.Popen(wrap_command(command), env=env, start_new_session=to_ranks)
+    received: list[int] = []
 
     def forward(signum, _frame):
-        if proc.poll() is None:
+        received.append(signum)
+        if proc.poll() is not None:
+            return
+        if not to_ranks:
             proc.send_signal(signum)
+            return
+        workers = worker_children(proc.pid)
+        if len(received) > 1:
+            os.killpg(proc.pid, signal.SIGKILL)  # the workers die with torchrun (their death signal) too
+        elif workers:
+            for pid in workers:
+                os.kill(pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)  # torchrun is still starting them: it stops them itself
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:
@@ -147,6 +201,8 @@ def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if code == 0 and received and received[0] == signal.SIGINT:
+        return 128 + signal.SIGINT
     return 128 - code if code < 0 else code
 
 

@@ -20,9 +20,11 @@ DEBUG_ENV = "GSPO_DEBUG"  # set from --debug, so torchrun's ranks inherit it
 
 def is_bad_input(err: BaseException) -> bool:
     """Our own error types (each names the file, key or field) and OS errors on the user's paths; the rest
-    are crashes."""
+    are crashes. An OS error is on a path when it names one (``filename``) or is our own message naming it
+    (no errno); a broken pipe or a failed system call without a path is a crash, not bad input."""
     own = isinstance(err, ValueError) and type(err).__module__.startswith("gspo_megatron")
-    return own or isinstance(err, OSError)
+    on_a_path = isinstance(err, OSError) and (err.filename is not None or err.errno is None)
+    return own or on_a_path
 
 
 def _save_traceback(command: str, text: str) -> Path:

@@ -11,6 +11,7 @@ offending field first, so a user can find it in their YAML.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 from typing import Any, Literal, Mapping, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -84,9 +85,12 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
         return value
     if annotation is float:
         if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-            return float(value)  # YAML 1.1 reads "1e-4" (no dot) as a string
+            value = float(value)  # YAML 1.1 reads "1e-4" (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             fail(path, f"expected a number, got {value!r}")
+        # every float setting: .inf / .nan would train to NaN weights (or skip every update) and exit 0
+        if not math.isfinite(value):
+            fail(path, f"must be a finite number, got {value!r}")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):

@@ -36,7 +36,14 @@ for leg in $legs; do
           cat /tmp/gspo-slurm-start.log >&2
         fi
       fi
-      .venv/bin/python -m pytest "$@" || status=$?
+      # pytest in the background so a TERM / INT / HUP to this script (a CI timeout) runs the trap at once:
+      # pytest is stopped (its cluster fixtures tear down on SIGTERM, tests/slurm/cluster.py), then the
+      # single-node cluster started above; a stopped run used to leave the daemons running
+      .venv/bin/python -m pytest "$@" &
+      pytest_pid=$!
+      trap 'kill -TERM $pytest_pid 2>/dev/null; wait $pytest_pid; [ "$slurm_started" = 1 ] && bash tools/slurm/local_cluster.sh stop > /dev/null 2>&1; exit 143' TERM INT HUP
+      wait $pytest_pid || status=$?
+      trap - TERM INT HUP
       if [ "$slurm_started" = 1 ]; then
         bash tools/slurm/local_cluster.sh stop > /dev/null 2>&1 || true
         unset SLURM_CONF

@@ -60,6 +60,9 @@ class DataConfig:
     system_prompt: str | None = None
     max_prompt_tokens: int = 1024
     on_invalid_row: Literal["error", "skip"] = "error"
+    # a prompt holding the tokenizer's control tokens (<|im_end|>\n<|im_start|>assistant...) would inject a
+    # real chat turn: such a row is invalid unless this is true
+    allow_control_tokens: bool = False
     shuffle: bool = True
     seed: int = 0
 

@@ -157,6 +157,7 @@ def _load_files(name: str, paths: list[str], split: str | None, cfg: DataConfig,
         first_location.setdefault(reason, location)
 
     parsed: list[tuple[str, dict[str, Any], str]] = []  # (location, fields, rendered prompt)
+    controls = [] if cfg.allow_control_tokens else _control_tokens(tokenizer)
     for path in paths:
         for location, row in read_rows(path, cfg.format, split):
             if isinstance(row, InvalidLine):
@@ -166,6 +167,11 @@ def _load_files(name: str, paths: list[str], split: str | None, cfg: DataConfig,
                 fields = _parse_row(row, cfg.fields)
             except _Invalid as err:
                 invalid(location, str(err))
+                continue
+            found = _control_token_in(controls, fields["prompt"], fields["messages"])
+            if found is not None:
+                invalid(location, f"the prompt holds the tokenizer's control token {found!r} (it would become a real "
+                                  "chat turn); remove it, or set data.allow_control_tokens: true")
                 continue
             text = render_prompt(tokenizer, cfg, fields["prompt"], fields["messages"])
             parsed.append((location, fields, text))
@@ -207,5 +213,23 @@ def load_prompt_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[PromptDataset
     return (_reindexed("train", [s for s in train if s.index not in held], train.skipped),
             _reindexed("eval", [s for s in train if s.index in held], {}))
 
+
+
+def _control_tokens(tokenizer: Any) -> list[str]:
+    """The tokenizer's special token strings (chat-turn markers, EOS, ...), which its encoding turns into
+    control ids even inside user text."""
+    added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    return sorted(set(tokenizer.all_special_tokens) | set(added), key=len, reverse=True)
+
+
+def _control_token_in(controls: list[str], prompt: str | None, messages: list | None) -> str | None:
+    """The first control token found in the prompt text or the messages' contents, or None."""
+    texts = [prompt] if prompt is not None else []
+    texts += [str(m.get("content", "")) for m in messages or [] if isinstance(m, dict)]
+    for text in texts:
+        for token in controls:
+            if token and token in text:
+                return token
+    return None
 
 __all__ = ["PromptDataset", "PromptSample", "load_prompt_datasets"]

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from gspo_megatron.data.dataset import PromptDataset, PromptSample
+from gspo_megatron.data.readers import DatasetError
 
 
 class PromptIterator(Iterator[list[PromptSample]]):
@@ -59,7 +60,7 @@ class PromptIterator(Iterator[list[PromptSample]]):
         for key, mine in (("num_prompts", len(self.dataset)), ("fingerprint", self.dataset.fingerprint),
                           ("seed", self.seed), ("shuffle", self.shuffle)):
             if state[key] != mine:
-                raise ValueError(f"prompt iterator state: {key} is {state[key]!r} in the checkpoint but {mine!r} "
+                raise DatasetError(f"prompt iterator state: {key} is {state[key]!r} in the checkpoint but {mine!r} "
                                  "now; resuming would not continue the same prompt order")
         self.epoch, self.offset, self.steps = int(state["epoch"]), int(state["offset"]), int(state["steps"])
         self._order = self._epoch_order(self.epoch)

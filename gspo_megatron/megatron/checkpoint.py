@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -45,9 +45,10 @@ def model_sharded_state_dict(model: torch.nn.Module, prefix: str = "model.") -> 
 
 
 def save(sharded_state_dict: dict, directory: str | Path, common: dict[str, Any] | None = None,
-         overwrite: bool = False) -> Path:
+         overwrite: bool = False, rank_files: Callable[[Path], None] | None = None) -> Path:
     """Save a sharded state dict into ``directory`` atomically; ``common`` (plain JSON data: config,
-    step, data position) goes into ``gspo_meta.json`` beside Megatron's files."""
+    step, data position) goes into ``gspo_meta.json`` beside Megatron's files; ``rank_files(folder)``, on
+    every rank, writes that rank's own files into the folder before it becomes the checkpoint."""
     from megatron.core import dist_checkpointing
 
     from gspo_megatron.processes import own_checkpoint_results_queue
@@ -73,6 +74,8 @@ def save(sharded_state_dict: dict, directory: str | Path, common: dict[str, Any]
                                   f"(about {need / 2**20:.1f} MiB); free space and resume from the previous "
                                   f"checkpoint") from err
         raise
+    if rank_files is not None:
+        rank_files(staging)
     _barrier()
     if _rank() == 0:
         (staging / "gspo_meta.json").write_text(json.dumps(common or {}, indent=2, sort_keys=True))
@@ -167,7 +170,15 @@ def load(sharded_state_dict: dict, directory: str | Path) -> dict:
     path = Path(directory)
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path}: not a dist_checkpointing checkpoint (no metadata.json)")
-    return dist_checkpointing.load(sharded_state_dict, str(path))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return dist_checkpointing.load(sharded_state_dict, str(path))
+    except CheckpointException as err:
+        # a BaseException holding each rank's traceback: name what this rank could not load instead
+        causes = sorted({f"{type(exc).__name__}: {exc}" for exc, _ in err.failures.values()})
+        raise CheckpointError(f"{path}: the checkpoint does not hold what this run loads ({'; '.join(causes)[:500]}); "
+                              f"resume with the run's own config.yaml") from None
 
 
 def read_meta(directory: str | Path) -> dict:

@@ -237,5 +237,9 @@ class ModelConfig:
         path = Path(hf_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{path}: no config.json in the Hugging Face folder")
-        return cls.from_hf_dict(json.loads(path.read_text()), source=str(path))
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from None
+        return cls.from_hf_dict(data, source=str(path))
 

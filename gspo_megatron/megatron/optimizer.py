@@ -39,6 +39,10 @@ class OptimizerConfig:
         check(self.decay_style in ("constant", "linear", "cosine"), f"{path}.decay_style",
               f"must be constant, linear or cosine, got {self.decay_style!r}")
         check(self.clip_grad >= 0, f"{path}.clip_grad", "must be >= 0 (0 disables clipping)")
+        check(self.weight_decay >= 0, f"{path}.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            check(0 <= getattr(self, name) < 1, f"{path}.{name}", f"must be in [0, 1), got {getattr(self, name)}")
+        check(self.adam_eps > 0, f"{path}.adam_eps", f"must be > 0, got {self.adam_eps}")
 
 
 def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, precision: str = "fp32"):
@@ -66,7 +70,10 @@ def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, pr
         optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
         lr_warmup_steps=optim.warmup_steps, lr_decay_steps=decay_steps,
         lr_decay_style=optim.decay_style if optim.decay_steps else "constant",
-        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+        # a resume with changed optimizer.* settings applies them (trainer/resume.py): the schedule's
+        # values come from the config, only its step count from the checkpoint
+        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
     if not torch.cuda.is_available():
         # Without apex/TE Megatron uses torch.optim.AdamW, which on CPU defaults to a per-tensor loop;
         # its fused CPU kernel computes the same update in one pass (the GPU path uses TE/apex fused Adam).

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from gspo_megatron.megatron import cpu_runtime
 from gspo_megatron.megatron.device import process_group_backend
-from gspo_megatron.typed_config import check
+from gspo_megatron.typed_config import ConfigError, check
 
 
 # Transformer Engine's context-parallel attention algorithms (Megatron's TransformerConfig.cp_comm_type);
@@ -56,11 +56,11 @@ class ParallelConfig:
     def data_parallel(self, world_size: int) -> int:
         model_parallel = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
         if world_size % model_parallel:
-            raise ValueError(f"parallel: world size {world_size} is not divisible by tensor_parallel x "
+            raise ConfigError(f"parallel: world size {world_size} is not divisible by tensor_parallel x "
                              f"pipeline_parallel x context_parallel = {model_parallel}")
         dp = world_size // model_parallel
         if (dp * self.context_parallel) % self.expert_parallel:
-            raise ValueError(f"parallel.expert_parallel={self.expert_parallel} must divide data_parallel x "
+            raise ConfigError(f"parallel.expert_parallel={self.expert_parallel} must divide data_parallel x "
                              f"context_parallel = {dp * self.context_parallel} at world size {world_size}")
         return dp
 

@@ -179,6 +179,7 @@ class PolicyModel:
         """A fresh Megatron optimizer (Adam state empty) and LR schedule; ``lr`` overrides the config's
         (the supervised warm start uses its own rate, then RL starts from a clean state)."""
         optim = self.optim_config if lr is None else warm_start_config(self.optim_config, lr)
+        self.active_optim = optim  # the settings of the optimizer in use (a loaded state takes them too)
         self.optimizer, self.scheduler = build_optimizer(optim, self.ddp, self.parallel.distributed_optimizer,
                                                          self.runtime.precision)
 
@@ -576,4 +577,12 @@ class PolicyModel:
     def load_sharded_state_dict(self, state: dict) -> None:
         sharding.load_module_state(self.module, state["model"], prefix="model.")
         self.optimizer.load_state_dict(state["optimizer"])
+        # the loaded parameter groups carry the checkpoint's settings: the config's are in effect (a resume
+        # applies changed optimizer.* settings, trainer/resume.py). The scheduler sets each group's lr from
+        # its max_lr / min_lr, and takes the config's schedule too (override_opt_param_scheduler).
+        optim = self.active_optim
+        for group in self.optimizer.param_groups:
+            group["betas"] = (optim.adam_beta1, optim.adam_beta2)
+            group["eps"] = optim.adam_eps
+            group["max_lr"], group["min_lr"] = optim.lr, optim.min_lr
         self.scheduler.load_state_dict(state["scheduler"])

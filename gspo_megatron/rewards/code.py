@@ -206,13 +206,13 @@ def code_reward(sample: Mapping[str, Any], response: str, cfg: CodeRewardConfig 
         raise ValueError("sample['tests'] has no test cases")
     code = extract_code(response, cfg.require_code_block)
     if code is None:
-        return Verdict(0.0, ("no_code",))
+        return Verdict(0.0, ("no_code",), correct=False)
     passed, tags = run_tests(code, suite, cfg)
     fraction = sum(passed) / len(passed)
     if fraction == 1.0:
         tags = tags + ("all_passed",)
     reward = fraction if cfg.scoring == "pass_fraction" else float(fraction == 1.0)
-    return Verdict(reward, tags)
+    return Verdict(reward, tags, correct=fraction == 1.0)
 
 
 __all__ = ["CodeRewardConfig", "TestSuite", "code_reward", "extract_code", "parse_tests", "run_tests"]

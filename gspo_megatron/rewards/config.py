@@ -19,12 +19,17 @@ class RewardTermConfig:
     A custom function is ``f(sample: dict, response: str) -> float`` (or ``async def``), or with
     ``batched: true`` ``f(samples: list[dict], responses: list[str]) -> list[float]`` (sync or async).
     ``key`` names the term in metrics (default: the built-in name or the function name).
+    ``range``: [low, high] the term's rewards lie in (the built-ins: [0, 1]); a reward outside it scores
+    0 and is counted as an error naming the term. Correctness (accuracy, pass@k) is the verifier's own
+    verdict (``Verdict.correct``); a function that returns a plain number is correct at ``high`` when it
+    declares a range, and judges no correctness when it does not (docs/rewards.md, "Correctness").
     """
 
     name: str
     weight: float = 1.0
     batched: bool = False
     key: str | None = None
+    range: tuple[float, float] | None = None
 
     def validate(self, path: str) -> None:
         check(self.name in BUILTIN_TERMS or bool(_IMPORT_PATH.match(self.name)), f"{path}.name",
@@ -33,6 +38,16 @@ class RewardTermConfig:
               "applies to custom functions only")
         check(self.key is None or bool(re.fullmatch(r"[\w.-]+", self.key)), f"{path}.key",
               "may contain letters, digits, '_', '.', '-' only")
+        if self.range is not None:
+            check(len(self.range) == 2 and self.range[0] < self.range[1], f"{path}.range",
+                  f"must be [low, high] with low < high, got {list(self.range)}")
+            check(self.name not in BUILTIN_TERMS, f"{path}.range",
+                  f"the built-in {self.name!r} scores in [0, 1]; range applies to custom functions")
+
+    @property
+    def declared_range(self) -> tuple[float, float] | None:
+        """The range rewards are checked against: the built-ins' [0, 1], else ``range`` (None: unchecked)."""
+        return (0.0, 1.0) if self.name in BUILTIN_TERMS else self.range
 
     @property
     def metric_key(self) -> str:

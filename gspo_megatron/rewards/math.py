@@ -165,7 +165,7 @@ def math_reward(sample: Mapping[str, Any], response: str, cfg: MathRewardConfig 
         if not formatted:
             tags.append("bad_format")
         reward = (1.0 - cfg.format_weight) * correct + cfg.format_weight * float(formatted)
-    return Verdict(reward, tuple(tags))
+    return Verdict(reward, tuple(tags), correct=bool(correct))
 
 
 __all__ = ["MathRewardConfig", "answers_equivalent", "extract_answer", "math_reward"]

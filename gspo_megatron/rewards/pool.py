@@ -2,6 +2,7 @@
 
     pool = RewardPool(build(RewardConfig, yaml["rewards"], "rewards"))
     rewards, metrics = pool.score([(sample, response_text), ...])   # rewards: list[float], one per pair
+    scores = pool.score_verdicts(batch)   # also scores.correct: list[bool], the verifiers' verdicts
     pool.close()
 
 Each response gets ``sum_k weight_k * r_k`` over the terms. A verifier that raises, returns a
@@ -63,6 +64,47 @@ class _Worker:
 
 
 Results = dict[tuple[int, int], Outcome]  # (term index, batch position) -> outcome
+
+
+@dataclasses.dataclass
+class Scores:
+    """One batch's rewards (``sum_k weight_k * r_k``), whether each response is correct (see
+    ``response_correct``; None: no term judges correctness) and the step metrics."""
+
+    rewards: list[float]
+    correct: list[bool | None]
+    metrics: dict[str, float]
+
+
+def _judgement(outcome: Outcome, term) -> bool | None:
+    """One term's word on correctness: its verdict's own, else the top of its declared range, else none."""
+    if outcome.verdict.correct is not None:
+        return outcome.verdict.correct
+    declared = term.declared_range
+    return None if declared is None else outcome.verdict.reward == declared[1]
+
+
+def response_correct(outcomes: list[Outcome | None], terms: list) -> bool | None:
+    """Whether one response is correct, from its outcome under each term (``terms``: RewardTermConfig).
+
+    Only terms that count (weight != 0) decide; every one that judges (``_judgement``) must say correct. A
+    failed term (error, timeout, out of range) makes the response not correct. None when no counting term
+    judges (plain numbers without a declared range): never a threshold on an arbitrary scale."""
+    counting = [(o, t) for o, t in zip(outcomes, terms) if t.weight != 0]
+    if any(o is None or o.verdict is None for o, _ in counting):
+        return False
+    judged = [j for j in (_judgement(o, t) for o, t in counting) if j is not None]
+    return all(judged) if judged else None
+
+
+def _out_of_range(outcome: Outcome, term, index: int) -> Outcome:
+    """``outcome``, or an error outcome when its reward lies outside the term's declared range."""
+    declared = term.declared_range
+    if outcome.verdict is None or declared is None or declared[0] <= outcome.verdict.reward <= declared[1]:
+        return outcome
+    low, high = declared
+    return Outcome(None, f"reward {outcome.verdict.reward:g} outside rewards.terms[{index}].range "
+                         f"[{low:g}, {high:g}] of term {term.metric_key!r}", out_of_range=True)
 
 
 def _kill(worker: _Worker) -> None:
@@ -234,12 +276,19 @@ class RewardPool:
         results: Results = {}
         while len(results) < expected:
             now = time.monotonic()
-            for worker in self._workers:
+            for worker in list(self._workers):
                 if worker.ready and worker.task is None and pending:
                     task = pending.popleft()
                     worker.task, worker.received, worker.deadline = task, 0, now + task.deadline_s
-                    worker.inbox.send(("task", task.task_id, task.term_index, [items[i] for i in task.indices],
-                                       self.cfg.timeout_s))
+                    try:
+                        worker.inbox.send(("task", task.task_id, task.term_index, [items[i] for i in task.indices],
+                                           self.cfg.timeout_s))
+                    except OSError:  # BrokenPipeError: killed from outside while idle (the OOM killer)
+                        # it never saw the task, so no response is lost: the task goes back to the queue
+                        worker.task = None
+                        pending.appendleft(task)
+                        stats["worker_restarts"] += 1
+                        self._replace(worker)
             deadlines = [w.deadline for w in self._workers if w.task is not None]
             deadlines += [w.started_at + self.cfg.startup_timeout_s for w in self._workers if not w.ready]
             next_deadline = min(deadlines, default=now + 1.0)
@@ -258,11 +307,16 @@ class RewardPool:
         return results
 
     def score(self, batch: Sequence[tuple[Any, str]]) -> tuple[list[float], dict[str, float]]:
-        """Rewards for ``batch`` = [(prompt sample, response text), ...] and step metrics.
+        """``(rewards, metrics)`` of ``score_verdicts``."""
+        scores = self.score_verdicts(batch)
+        return scores.rewards, scores.metrics
+
+    def score_verdicts(self, batch: Sequence[tuple[Any, str]]) -> Scores:
+        """Rewards, correctness and step metrics for ``batch`` = [(prompt sample, response text), ...].
 
         A prompt sample is a mapping (or a dataclass such as ``data.PromptSample``) with the fields the
         terms read: ``answer`` (math, synthetic), ``tests`` (code), ``meta`` (synthetic), or anything a
-        custom function wants. Returns ``(rewards, metrics)`` with ``len(rewards) == len(batch)``.
+        custom function wants. ``len(rewards) == len(correct) == len(batch)``.
         """
         if self._finalizer.alive is False:
             raise RuntimeError("RewardPool.score called after close()")
@@ -285,13 +339,15 @@ class RewardPool:
             results = self._run_in_workers(items, tasks, stats)
         return self._combine(len(items), results, stats, time.monotonic() - start)
 
-    def _combine(self, n: int, results: Results, stats: collections.Counter,
-                 elapsed_s: float) -> tuple[list[float], dict[str, float]]:
+    def _combine(self, n: int, results: Results, stats: collections.Counter, elapsed_s: float) -> Scores:
         per_term = [[0.0] * n for _ in self.cfg.terms]
         metrics: dict[str, float] = {}
         counts: collections.Counter = collections.Counter()
+        results = {(k, i): _out_of_range(o, self.cfg.terms[k], k) for (k, i), o in results.items()}
         for (k, i), outcome in sorted(results.items()):
             key = self.cfg.terms[k].metric_key
+            if outcome.out_of_range:
+                counts[f"rewards/{key}/out_of_range"] += 1
             if outcome.verdict is not None:
                 per_term[k][i] = outcome.verdict.reward
                 for tag in outcome.verdict.tags:
@@ -303,6 +359,8 @@ class RewardPool:
                 counts[f"rewards/{key}/errors"] += 1
                 self.recent_errors.append(f"{key}: {outcome.error}")
         totals = [sum(t.weight * per_term[k][i] for k, t in enumerate(self.cfg.terms)) for i in range(n)]
+        correct = [response_correct([results.get((k, i)) for k in range(len(self.cfg.terms))], self.cfg.terms)
+                   for i in range(n)]
         for k, term in enumerate(self.cfg.terms):
             key = term.metric_key
             metrics[f"rewards/{key}/mean"] = sum(per_term[k]) / n if n else 0.0
@@ -320,7 +378,7 @@ class RewardPool:
         if failed:
             log.warning("rewards: %d errors, %d timeouts in a batch of %d; latest: %s", metrics["rewards/errors"],
                         metrics["rewards/timeouts"], n, self.recent_errors[-1] if self.recent_errors else "")
-        return totals, metrics
+        return Scores(totals, correct, metrics)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -341,4 +399,4 @@ def build_reward_pool(cfg: RewardConfig, on_failures: Callable[[int], None] | No
     return RewardPool(cfg, on_failures)
 
 
-__all__ = ["RewardPool", "build_reward_pool"]
+__all__ = ["RewardPool", "Scores", "build_reward_pool", "response_correct"]

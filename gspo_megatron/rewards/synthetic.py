@@ -276,8 +276,8 @@ def synthetic_reward(sample: Mapping[str, Any], response: str) -> Verdict:
                          "and map the 'meta' field in data.fields)")
     verdict = check_answer(meta, str(sample["answer"]), final_answer(response))
     if verdict is None:
-        return Verdict(0.0, ("malformed",))
-    return Verdict(float(verdict), ("correct",) if verdict else ())
+        return Verdict(0.0, ("malformed",), correct=False)
+    return Verdict(float(verdict), ("correct",) if verdict else (), correct=bool(verdict))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,6 +26,7 @@ class Outcome:
     verdict: Verdict | None
     error: str | None = None
     timed_out: bool = False
+    out_of_range: bool = False  # the reward lay outside the term's declared range (RewardTermConfig.range)
 
 
 @dataclasses.dataclass

@@ -12,10 +12,14 @@ class Verdict:
     reward: the score (built-in verifiers: in [0, 1]).
     tags: short names of notable outcomes ("no_answer", "timeout", ...); the pool counts them per term
         in the step metrics as ``rewards/<term>/<tag>``.
+    correct: the verifier's own verdict on whether the answer is right (accuracy, eval pass@1 / pass@k);
+        None when the verifier gives only a score (a plain float): then a response is correct when it
+        scores the top of the term's declared ``range`` (docs/rewards.md, "Correctness").
     """
 
     reward: float
     tags: tuple[str, ...] = ()
+    correct: bool | None = None
 
 
 def sample_mapping(sample: Any) -> Mapping[str, Any]:

@@ -105,8 +105,9 @@ class RolloutEngine(abc.ABC):
         released are left alone."""
 
     def healthy(self) -> bool:
-        """True while the engine can serve ``generate``. Not called by the trainer yet, which learns of a
-        failed engine from the exception ``generate`` raises (``Trainer._generate``); tests and operators call it."""
+        """True while the engine can serve ``generate``. The trainer asks before each weight sync in overlap
+        mode (an engine process killed between requests is rebuilt there); otherwise it learns of a failed
+        engine from the exception ``generate`` raises (``Trainer._generate``)."""
         return True
 
     def shutdown(self) -> None:

@@ -20,6 +20,7 @@ import dataclasses
 import multiprocessing
 import os
 import pickle
+import signal
 import time
 import traceback
 from typing import Iterable, Sequence
@@ -57,7 +58,12 @@ class EngineSpec:
 
 def _child_main(conn, spec: EngineSpec, parent_pid: int) -> None:
     from gspo_megatron.processes import die_with_parent
+    from gspo_megatron.processes import PREEMPTION_SIGNALS
 
+    # stop signals are the trainer's (a terminal's Ctrl-C reaches the whole process group): it stops
+    # between steps and saves; this process ends with it
+    for sig in PREEMPTION_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     die_with_parent(parent_pid)
     torch.set_num_threads(spec.threads)
     os.nice(spec.nice)

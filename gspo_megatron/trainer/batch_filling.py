@@ -36,7 +36,7 @@ import dataclasses
 import hashlib
 from typing import Any, Callable, Literal, Sequence
 
-Group = tuple[Any, list, list[float]]  # (prompt sample, [Sample x G], [reward x G]), as Trainer.rollout returns
+Group = tuple[Any, list, list[float], list]  # (prompt sample, [Sample x G], [reward x G], [correct x G]), as Trainer.rollout returns
 OverlongMode = Literal["none", "mask", "soft_penalty"]
 FilterMode = Literal["none", "zero_variance"]
 
@@ -68,13 +68,13 @@ def shape_overlong_rewards(batch: Sequence[Group], mode: OverlongMode, max_new_t
     if mode != "soft_penalty":
         return list(batch)
     return [(prompt, samples, [r + overlong_penalty(len(s.response_ids), max_new_tokens, buffer_tokens)
-                               for s, r in zip(samples, rewards)])
-            for prompt, samples, rewards in batch]
+                               for s, r in zip(samples, rewards)], correct)
+            for prompt, samples, rewards, correct in batch]
 
 
 def loss_keep(batch: Sequence[Group], mode: OverlongMode) -> list[list[bool]]:
     """[B][G]: whether each sample enters the loss; under ``mask`` truncated samples do not."""
-    return [[mode != "mask" or not is_truncated(s) for s in samples] for _, samples, _ in batch]
+    return [[mode != "mask" or not is_truncated(s) for s in samples] for _, samples, _, _ in batch]
 
 
 def informative(rewards: Sequence[float]) -> bool:
@@ -83,7 +83,7 @@ def informative(rewards: Sequence[float]) -> bool:
 
 
 def _num_samples(groups: Sequence[Group]) -> int:
-    return sum(len(samples) for _, samples, _ in groups)
+    return sum(len(samples) for _, samples, _, _ in groups)
 
 
 def round_seed(step_seed: int, round_index: int) -> int:
@@ -162,7 +162,7 @@ class BatchFiller:
     def _metrics(self, generated: list[Group], batch: list[Group], keep: list[list[bool]], rounds: int,
                  informative_count: int | None) -> dict[str, float]:
         out: dict[str, float] = {}
-        samples = [s for _, ss, _ in generated for s in ss]
+        samples = [s for _, ss, _, _ in generated for s in ss]
         trained = sum(sum(k) for k in keep)
         if self.overlong != "none":
             out["overlong/truncated_frac"] = sum(is_truncated(s) for s in samples) / max(len(samples), 1)
@@ -184,7 +184,7 @@ class BatchFiller:
                 "filter/groups_surplus": float(max(0, informative_count - self.prompts_per_step)),
                 "filter/groups_trained": float(len(batch)),
                 "filter/underfilled": float(informative_count < self.prompts_per_step),
-                "filter/reward_mean_generated": (sum(r for _, _, rs in generated for r in rs)
+                "filter/reward_mean_generated": (sum(r for _, _, rs, _ in generated for r in rs)
                                                  / max(len(samples), 1)),
             })
         return out

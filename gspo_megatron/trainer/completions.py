@@ -18,9 +18,9 @@ COMPLETIONS_NAME = "completions.jsonl"
 
 def completion_rows(batch, tokenizer, n: int, step: int) -> list[dict[str, Any]]:
     """Up to ``n`` rows {step, prompt, answer, response, reward} from a rollout batch: a list of (prompt
-    sample, [sample x G], [reward x G])."""
+    sample, [sample x G], [reward x G], [verdict x G])."""
     rows = []
-    for prompt, samples, rewards in batch[:n]:
+    for prompt, samples, rewards, _ in batch[:n]:
         rows.append({"step": int(step), "prompt": tokenizer.decode(list(prompt.prompt_ids), skip_special_tokens=True),
                      "answer": None if prompt.answer is None else str(prompt.answer),
                      "response": tokenizer.decode(list(samples[0].response_ids), skip_special_tokens=True),
@@ -32,13 +32,13 @@ def eval_rows(greedy, sampled, tokenizer) -> list[dict[str, Any]]:
     """Per prompt of an evaluation: the greedy response and reward, and the pass@k samples' responses and
     rewards (``sampled`` None without pass@k)."""
     rows = []
-    for i, (prompt, samples, rewards) in enumerate(greedy):
+    for i, (prompt, samples, rewards, _) in enumerate(greedy):
         row = {"prompt": tokenizer.decode(list(prompt.prompt_ids), skip_special_tokens=True),
                "answer": None if prompt.answer is None else str(prompt.answer),
                "greedy": tokenizer.decode(list(samples[0].response_ids), skip_special_tokens=True),
                "greedy_reward": float(rewards[0])}
         if sampled is not None:
-            _, k_samples, k_rewards = sampled[i]
+            _, k_samples, k_rewards, _ = sampled[i]
             row["samples"] = [tokenizer.decode(list(s.response_ids), skip_special_tokens=True) for s in k_samples]
             row["sample_rewards"] = [float(r) for r in k_rewards]
         rows.append(row)

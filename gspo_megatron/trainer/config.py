@@ -25,6 +25,10 @@ from gspo_megatron.rollout.sglang_config import SGLangConfig
 from gspo_megatron.typed_config import ConfigError, build, check, to_dict
 
 
+# any of these makes a folder loadable by transformers' AutoTokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 @dataclasses.dataclass
 class ModelSection:
     """Either ``hf_dir`` (a Hugging Face folder: config.json, safetensors, tokenizer) or an inline
@@ -47,6 +51,10 @@ class ModelSection:
     def validate(self, path: str) -> None:
         check((self.hf_dir is None) != (self.config is None), f"{path}.hf_dir",
               "set exactly one of model.hf_dir and model.config")
+        if self.hf_dir is not None and self.tokenizer_dir is None and Path(self.hf_dir).is_dir():
+            check(any((Path(self.hf_dir) / name).is_file() for name in TOKENIZER_FILES), f"{path}.hf_dir",
+                  f"{self.hf_dir} holds no tokenizer ({', '.join(TOKENIZER_FILES)}); add it or set "
+                  f"{path}.tokenizer_dir")
 
     @property
     def runtime(self) -> ModelRuntime:
@@ -120,6 +128,10 @@ class TrainSection:
     # torch threads of each trainer process in overlap mode; 0: the process's share of the cores minus
     # rollout.engine_threads. More can pay: the engine is idle once its batch is ahead.
     trainer_threads: int = 0
+    # seconds the scheduler leaves between its stop signal and SIGKILL (Slurm: KillWait, or the --signal
+    # lead time); a step then stops between mini-batches when finishing it and saving would not fit (its
+    # rest is saved and resumed exactly). 0: unknown, every step is finished before the save (docs/slurm.md)
+    preemption_grace_s: float = 0.0
 
     def validate(self, path: str) -> None:
         check(self.steps >= 0, f"{path}.steps", "must be >= 0")
@@ -130,6 +142,7 @@ class TrainSection:
         check(self.trainer_threads >= 0, f"{path}.trainer_threads", f"must be >= 0, got {self.trainer_threads}")
         check(0.0 <= self.routing_agreement_threshold <= 1.0, f"{path}.routing_agreement_threshold",
               f"must be in [0, 1] (a fraction of top-k experts), got {self.routing_agreement_threshold}")
+        check(self.preemption_grace_s >= 0, f"{path}.preemption_grace_s", f"must be >= 0, got {self.preemption_grace_s}")
 
 
 @dataclasses.dataclass
@@ -161,6 +174,7 @@ class EvalSection:
         check(self.every_steps >= 0, f"{path}.every_steps", "must be >= 0")
         check(self.num_prompts >= 1, f"{path}.num_prompts", "must be >= 1")
         check(self.pass_k >= 1, f"{path}.pass_k", "must be >= 1")
+        check(self.temperature > 0, f"{path}.temperature", f"must be > 0, got {self.temperature}")
 
 
 @dataclasses.dataclass
@@ -250,6 +264,17 @@ class TrainConfig:
             model, where = ModelConfig.from_hf_dir(self.model.hf_dir), f"{self.model.hf_dir}/config.json:"
         if model is not None:
             check_layout(self.parallel, model, where)
+            longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+            check(longest <= model.max_position_embeddings, "rollout.max_new_tokens",
+                  f"data.max_prompt_tokens={self.data.max_prompt_tokens} + rollout.max_new_tokens="
+                  f"{self.rollout.max_new_tokens} = {longest} is beyond {where}{'' if where.endswith(':') else '.'}"
+                  f"max_position_embeddings={model.max_position_embeddings}")
+
+
+def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
+    """The layout fits ``world_size`` processes (checked before any rank starts: Megatron's own check is a
+    traceback in every rank): TP x PP x CP divides it and EP divides what is left for data x context."""
+    parallel.data_parallel(world_size)
 
 
 def check_reward_imports(rewards: RewardConfig) -> None:

@@ -31,22 +31,29 @@ def _positive_int(text: str) -> int:
 
 def _relaunch_with_torchrun(argv: list[str], nproc: int) -> int:
     """Re-run this command under torchrun on this machine with ``nproc`` processes. torchrun and its
-    ranks die with this command (SIGKILL included); SIGTERM / SIGINT reach torchrun, which stops the ranks
-    (they save a checkpoint at the end of the step, see trainer/preemption.py)."""
+    ranks die with this command (SIGKILL included); SIGTERM / SIGINT / SIGHUP reach the ranks past torchrun
+    (they save a checkpoint and exit 0, trainer/preemption.py), so torchrun's 30 s kill never starts."""
     from gspo_megatron.processes import DIE_WITH_PARENT_ENV, run_forwarding_signals
 
     args = [a for i, a in enumerate(argv) if not (a.startswith("--nproc") or (i and argv[i - 1] == "--nproc"))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "gspo_megatron.cli", *args]
-    return run_forwarding_signals(cmd, env={**os.environ, DIE_WITH_PARENT_ENV: "1"})
+    return run_forwarding_signals(cmd, env={**os.environ, DIE_WITH_PARENT_ENV: "1"}, to_ranks=True)
 
 
 def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     from gspo_megatron.trainer.launch_env import export_for_torch, resolve_launch
 
     from gspo_megatron import processes
+    from gspo_megatron.reporting import EXIT_INTERRUPTED
+
+    from gspo_megatron.trainer.config import check_model_folders, check_world_size, load_config
 
     launch = resolve_launch(os.environ)
+    # every bad setting is named here, once, before torchrun or any rank starts
+    config = load_config(args.config, args.overrides)
+    check_model_folders(config, args.config)
+    check_world_size(config.parallel, args.nproc if launch.launcher == "single" else launch.world_size)
     if launch.launcher == "single" and args.nproc > 1:
         return _relaunch_with_torchrun(argv, args.nproc)
     if os.environ.get(processes.DIE_WITH_PARENT_ENV) == "1":
@@ -57,13 +64,10 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.trainer.config import check_model_folders, load_config
     from gspo_megatron.trainer.loop import Trainer
 
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(launch.local_world_size, 1)))
-    config = load_config(args.config, args.overrides)  # validated before any process group exists
-    check_model_folders(config, args.config)
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
     if args.init_from is not None and config.sft.steps and launch.rank == 0:
         print(f"--init-from {args.init_from}: training starts from its weights; the warm start (sft.steps="
@@ -73,12 +77,14 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     trainer = Trainer(config, run_dir, resume=args.resume, init_checkpoint=args.init_from)
     try:
         trainer.run()
+        stopped_by = trainer.preemption.signal_name
     finally:
         trainer.close()
         parallel.destroy()
     if launch.rank == 0:
         print(run_summary(run_dir, time.monotonic() - started), flush=True)
-    return 0
+    # a stop signal saves and exits 0 (Slurm's requeue reads that), Ctrl-C 130 like any interrupted command
+    return EXIT_INTERRUPTED if stopped_by == "SIGINT" else 0
 
 
 def run_summary(run_dir: Path, seconds: float) -> str:

@@ -35,6 +35,11 @@ def check_out_path(out: Path) -> None:
         raise ConfigError(f"--out {out}: is a folder; give a file name, e.g. {out / 'eval.json'}")
     if not out.parent.is_dir():
         raise ConfigError(f"--out {out}: the folder {out.parent} does not exist")
+    try:  # a real write: permission bits say nothing for root, and nothing about a read-only mount
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.probe-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"--out {out}: cannot write into {out.parent} ({err.strerror})") from None
 
 
 def _converted_model_section(checkpoint_dir: Path, meta: dict, tokenizer_dir: str | None) -> dict:

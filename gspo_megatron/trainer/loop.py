@@ -38,9 +38,11 @@ from gspo_megatron.trainer.batch_filling import BatchFiller, round_seed
 from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, overlap_timing, staleness, trainer_threads
 from gspo_megatron.trainer import completions
 from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
+from gspo_megatron.trainer.preemption import PartialStep, fits_in_grace
+from gspo_megatron.trainer.resume import resume_changes
 from gspo_megatron.trainer.run_dir import claim as claim_run_dir
 from gspo_megatron.trainer.run_dir import on_main_rank
-from gspo_megatron.typed_config import to_dict
+from gspo_megatron.typed_config import ConfigError, to_dict
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -102,20 +104,32 @@ class Trainer:
         self.preemption.install()
         self.step = 0
         self.faults = {"skipped_updates": 0, "reward_failures": 0, "engine_restarts": 0}
+        # where a stop left the run (trainer/preemption.py): the metrics of step self.step still to be
+        # evaluated and logged (None: none), the rest of a step stopped between mini-batches, whether a
+        # signal stopped the run in its warm start, the step last saved and how long saves take
+        self.pending: dict[str, float] | None = {}
+        self.partial: PartialStep | None = None
+        self.stopped = False
+        self.saved_step, self.save_s = -1, 0.0
 
         latest = self.latest_checkpoint() if resume else None
         if resume and latest is None and self.is_main:
             print(f"--resume: {self.run_dir} holds no checkpoint yet; starting its run from the beginning", flush=True)
+        warm_from = None  # the supervised warm start continues from this step (None: no warm start to run)
         if latest is not None:
-            self.load_checkpoint(latest)
+            warm_from = self.load_checkpoint(latest)
         elif init_checkpoint is not None:
             ckpt.verify(init_checkpoint)  # a missing or cut checkpoint is named, not a DCP traceback
             self.load_checkpoint(Path(init_checkpoint), restore_progress=False)
         else:
             self._initialise_weights()
-            if config.sft.steps:
-                self.warm_start()
-            if self.reference is not None:
+            warm_from = 0
+        if warm_from is not None:
+            if warm_from < config.sft.steps:
+                self.warm_start(warm_from)
+            elif warm_from > 0:  # resumed in a warm start that sft.steps now ends: RL's own optimizer
+                self.policy.reset_optimizer()
+            if self.reference is not None and not self.stopped:
                 # the frozen reference is the policy RL starts from (after the warm start)
                 self._copy_weights(self.policy, self.reference)
         self.sync_weights()
@@ -188,16 +202,21 @@ class Trainer:
                 p_dst.copy_(p_src)
 
     # ---- supervised warm start -------------------------------------------------------------------
-    def warm_start(self) -> None:
-        """A short supervised stage on reference answers (documented first stage of the CPU demo)."""
+    def warm_start(self, start: int = 0) -> None:
+        """A short supervised stage on reference answers (documented first stage of the CPU demo), from step
+        ``start`` (a resume of a warm start a signal stopped: its optimizer is loaded). A signal stops it
+        after any step with a checkpoint of that step (``warm_start`` in its metadata)."""
         from gspo_megatron.data.chat import encode
 
         cfg = self.config.sft
         samples = list(self.train_data)
         eos = self.tokenizer.eos_token_id
-        self.policy.reset_optimizer(lr=cfg.lr)
+        if start == 0:
+            self.policy.reset_optimizer(lr=cfg.lr)
         gen = torch.Generator().manual_seed(self.config.train.seed)
-        for step in range(cfg.steps):
+        for _ in range(start):  # the same picks as the uninterrupted warm start from here on
+            torch.randint(0, len(samples), (cfg.batch_size,), generator=gen)
+        for step in range(start, cfg.steps):
             picks = torch.randint(0, len(samples), (cfg.batch_size,), generator=gen).tolist()
             seqs = []
             for i in picks:
@@ -209,13 +228,19 @@ class Trainer:
             self.policy.optimizer_step()
             if self.is_main and (step % 20 == 0 or step == cfg.steps - 1):
                 print(f"sft step {step + 1}/{cfg.steps}: nll {float(raw['loss']):.4f}", flush=True)
+            if step + 1 < cfg.steps and self.preempted():
+                self.save_checkpoint({"warm_start": {"step": step + 1}})
+                self._report_stop(f"in the warm start at sft step {step + 1}")
+                self.stopped = True
+                return
         self.policy.reset_optimizer()  # RL starts from a fresh Adam state and the RL schedule
 
     # ---- one RL step -----------------------------------------------------------------------------
     def rollout(self, prompts, seed: int, samples_per_prompt: int, temperature: float, max_new_tokens: int,
                 routed_experts: bool = False):
         """Generate this DP rank's share of ``prompts``, score it, and gather the whole batch on every
-        rank: a list (in prompt order) of (prompt sample, [sample x G], [reward x G]). ``routed_experts``:
+        rank: a list (in prompt order) of (prompt sample, [sample x G], [reward x G], [correct x G]; correct:
+        the verifiers' verdict, rewards/pool.py response_correct, never a threshold). ``routed_experts``:
         the engine also returns the experts of every fed position (Routing Replay R3). ``seed`` must be the
         same on every rank: with the prompts' global indices it seeds each sample (layout-independent)."""
         mine, params = self._sampling(prompts, seed, temperature, max_new_tokens, routed_experts)
@@ -244,11 +269,13 @@ class Trainer:
         """Rewards of this rank's samples, then the whole batch on every rank (see ``rollout``)."""
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         batch = [(mine[i // samples_per_prompt], t) for i, t in enumerate(texts)]
-        rewards, reward_metrics = self.rewards.score(batch) if batch else ([], {})
+        scores = self.rewards.score_verdicts(batch) if batch else None
+        rewards, correct = (scores.rewards, scores.correct) if scores is not None else ([], [])
+        reward_metrics = scores.metrics if scores is not None else {}
         local = []
         for k, prompt in enumerate(mine):
             group = slice(k * samples_per_prompt, (k + 1) * samples_per_prompt)
-            local.append((prompt, samples[group], rewards[group]))
+            local.append((prompt, samples[group], rewards[group], correct[group]))
         parts = [None] * self.dp_size
         dist.all_gather_object(parts, (local, reward_metrics), group=self.policy.groups.data_parallel)
         gathered = [item for part, _ in parts for item in part]
@@ -326,6 +353,10 @@ class Trainer:
     def _rollout_ahead(self) -> tuple[list, dict[str, float], int, dict[str, float]]:
         """Steps 1-2 in overlap mode: keep the next ``max_staleness`` steps' batches generating, take this
         step's, score it. Returns (batch, reward metrics, staleness, overlap timing)."""
+        healthy = torch.tensor([1 if self.engine.healthy() else 0])
+        dist.all_reduce(healthy, op=dist.ReduceOp.MIN)
+        if not int(healthy):  # an engine process died since the last sync: rebuilt, synced, queue resubmitted
+            self.sync_weights()
         self.ahead.top_up(self.step, lambda: next(self.prompts), self._submit)
         flight = self.ahead.pop(self.step)
         mine, params = self._flight_sampling(flight)
@@ -374,7 +405,7 @@ class Trainer:
             self.engine.release_memory()
 
         # 3. group advantages (Eq. 6) over whole groups
-        rewards = torch.tensor([r for _, _, rs in batch for r in rs], dtype=torch.float32).view(len(batch), G)
+        rewards = torch.tensor([r for _, _, rs, _ in batch for r in rs], dtype=torch.float32).view(len(batch), G)
         adv = group_advantages(rewards, estimator=cfg.loss.advantage_estimator, eps=cfg.loss.advantage_eps,
                                batch_norm=cfg.loss.advantage_batch_norm)
         seqs = _training_sequences(batch, adv.advantages, with_routing=replay in ("r3", "auto"), keep=filled.keep)
@@ -483,7 +514,12 @@ class Trainer:
         Under Routing Replay the update forward is forced, so a second free no-grad forward reads "after"."""
         drift = self._measures_drift(shares)
         per_minibatch, drift_metrics, before = [], {}, None
+        clock = time.perf_counter()
         for k, share in enumerate(shares):
+            # drift reads mini-batches 0 and 1 together: a stop comes after both
+            if k >= (2 if drift else 1) and self._stop_before_minibatch(len(shares) - k, (time.perf_counter() - clock) / k):
+                self.partial = PartialStep(shares[k:], per_minibatch)
+                break
             if drift and k == 0:
                 before = self.policy.sequence_routing(shares[1], self._free_routing(shares[1]))
             after_from_update = drift and k == 1 and replay == "off"
@@ -496,9 +532,26 @@ class Trainer:
         return per_minibatch, drift_metrics
 
     # ---- weights, evaluation, checkpoints --------------------------------------------------------
+    def _replace_dead_engine(self) -> bool | None:
+        """Overlap mode: an engine process killed since its last request (the OOM killer) is rebuilt before
+        the weights go to it, counted in faults/engine_restarts. A collective: None when no rank's engine
+        died, else whether this rank's was rebuilt."""
+        mine_dead = not self.engine.healthy()
+        dead = torch.tensor([1 if mine_dead else 0])
+        dist.all_reduce(dead)
+        if int(dead) == 0:
+            return None
+        if mine_dead:
+            print(f"rank {self.rank}: rollout engine process is gone; restarting it", flush=True)
+            self.engine.shutdown()
+            self.engine = self._build_engine()
+        self.faults["engine_restarts"] += int(dead)
+        return mine_dead
+
     def sync_weights(self) -> dict[str, float]:
         from gspo_megatron.rollout.weight_sync import sync_weights
 
+        rebuilt = self._replace_dead_engine() if self.ahead is not None else None
         self.engine.resume_memory(["weights"])  # a no-op unless released (RolloutEngine.releases_memory)
         if self.ahead is not None and self.config.rollout.engine == "sglang" and dist.get_world_size() > 1:
             # overlap: the servers are shared, so every rank's batch generated ahead must be finished before
@@ -513,22 +566,29 @@ class Trainer:
             # rank from generating before the servers hold them
             share_sync_report(self.engine)
         self.engine.resume_memory(["kv_cache", "cuda_graph"])
+        if rebuilt is not None:  # the batches queued ahead are generated again, by every rank's engine
+            self._resubmit_ahead(rebuilt=rebuilt)
         return stats
 
-    def evaluate(self) -> dict[str, float]:
-        """Greedy pass@1 (temperature 0: argmax decoding in both engines) and sampled pass@k on the held-out prompts."""
+    def evaluate(self, stoppable: bool = False) -> dict[str, float] | None:
+        """Greedy pass@1 (temperature 0: argmax decoding in both engines) and sampled pass@k on the held-out
+        prompts. ``stoppable``: None when a stop signal came before or between the two rollouts."""
+        if stoppable and self.preempted():
+            return None
         cfg = self.config.eval
         data = self.eval_data if self.eval_data is not None else self.train_data
         prompts = list(data)[:cfg.num_prompts]
         seed = step_seed(self.config.train.seed + 17, self.step, 0)  # the same on every rank (see rollout)
         greedy, _ = self.rollout(prompts, seed, 1, 0.0, self.config.rollout.max_new_tokens)  # 0: greedy
-        out = {"eval_accuracy": sum(float(rs[0] >= 1.0) for _, _, rs in greedy) / max(len(greedy), 1)}
+        out = {"eval_accuracy": _fraction([ok[0] for _, _, _, ok in greedy])}
         sampled = None
         if cfg.pass_k > 1:
+            if stoppable and self.preempted():
+                return None
             sampled, _ = self.rollout(prompts, seed + 1, cfg.pass_k, cfg.temperature, self.config.rollout.max_new_tokens)
-            out[f"eval_pass@{cfg.pass_k}"] = sum(float(max(rs) >= 1.0) for _, _, rs in sampled) / max(len(sampled), 1)
+            out[f"eval_pass@{cfg.pass_k}"] = _fraction([_any_correct(oks) for _, _, _, oks in sampled])
         self.last_eval_rows = completions.eval_rows(greedy, sampled, self.tokenizer) if self.is_main else []
-        return out
+        return {k: v for k, v in out.items() if v is not None}  # None: no reward term judges correctness
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.run_dir / "checkpoints" / f"step_{step:06d}"
@@ -563,21 +623,31 @@ class Trainer:
             state["reference"] = self.reference.module.sharded_state_dict(prefix="reference.")
         return state
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, progress: dict | None = None, partial: PartialStep | None = None) -> Path:
+        """``progress``: where a stop left the run (``warm_start``, ``pending`` metrics, ``partial_step``), for
+        the resume; ``partial``: the rest of a step stopped between mini-batches (one file per rank)."""
+        started = time.perf_counter()
         meta = {"step": self.step, "data": self.prompts.state_dict(), "faults": self.faults,
-                "config": to_dict(self.config)}
+                "config": to_dict(self.config), **(progress or {})}
         if self.ahead is not None:
             # the batches already generated ahead belong to the run: the resumed run consumes the same ones
             self.ahead.complete(self.engine.result)
             parts = [None] * self.dp_size
             dist.all_gather_object(parts, self.ahead.state_dict(), group=self.policy.groups.data_parallel)
             meta["rollout_ahead"] = {"dp_size": self.dp_size, "ranks": parts}
-        path = ckpt.save(self._sharded_state(), self.checkpoint_dir(self.step), common=meta, overwrite=True)
+        path = ckpt.save(self._sharded_state(), self.checkpoint_dir(self.step), common=meta, overwrite=True,
+                         rank_files=None if partial is None else lambda folder: partial.write(folder, self.rank))
         if self.is_main:
             done = sorted(p for p in path.parent.iterdir() if p.name.startswith("step_") and p.suffix == "")
             for old in done[:-self.config.checkpoint.keep_last]:
                 shutil.rmtree(old)
         dist.barrier()
+        self.saved_step, self.save_s = self.step, time.perf_counter() - started
+        grace = self.config.train.preemption_grace_s
+        if self.is_main and grace and self.save_s > grace:
+            print(f"warning: train.preemption_grace_s={grace:g} is shorter than this checkpoint save "
+                  f"({self.save_s:.1f} s): a save after a signal would be killed; raise it and the scheduler's grace "
+                  f"(docs/slurm.md, \"Preemption grace\")", flush=True)
         return path
 
     def export_hf(self, checkpoint: Path) -> Path:
@@ -601,10 +671,11 @@ class Trainer:
         on_main_rank(export, self.is_main)
         return out
 
-    def load_checkpoint(self, path: Path, restore_progress: bool = True) -> None:
+    def load_checkpoint(self, path: Path, restore_progress: bool = True) -> int | None:
         """With ``restore_progress`` (a resume): model, optimizer, schedule, reference, the step, the data
-        position and the fault counters. Without: the policy weights only (a training checkpoint or a
-        converted one, which has nothing else), which the reference then copies."""
+        position, the fault counters and where a stop left the run; returns the warm-start step to continue
+        from when a signal stopped the warm start (else None). Without: the policy weights only (a training
+        checkpoint or a converted one, which has nothing else), which the reference then copies."""
         if not restore_progress:
             from gspo_megatron.megatron import sharding
 
@@ -613,66 +684,135 @@ class Trainer:
             if self.reference is not None:
                 self._copy_weights(self.policy, self.reference)
             return
-        check_resumable(ckpt.read_meta(path).get("config", {}), to_dict(self.config), path)
+        saved_config = ckpt.read_meta(path).get("config", {})
+        check_resumable(saved_config, to_dict(self.config), path)
+        changes = resume_changes(saved_config, to_dict(self.config))  # refuses what cannot change, by name
+        meta = ckpt.read_meta(path)
+        warm = meta.get("warm_start")
+        if warm is not None:
+            self.policy.reset_optimizer(lr=self.config.sft.lr)  # the checkpoint holds the warm start's optimizer
         state = ckpt.load(self._sharded_state(is_loading=True), path)
         self.policy.load_sharded_state_dict(state)
+        if self.is_main:
+            for field, old, new in changes:
+                print(f"resume: {field} {old!r} -> {new!r} (applied)", flush=True)
         if self.reference is not None:
             self.reference.module.load_state_dict(
                 {k.removeprefix("reference."): v for k, v in state["reference"].items()}, strict=True)
-        meta = ckpt.read_meta(path)
         self.step = int(meta["step"])
         self.prompts.load_state_dict(meta["data"])
         self.faults.update(meta["faults"])
         self._load_rollout_ahead(meta.get("rollout_ahead"), path)
+        self.saved_step = self.step
+        self.pending = {} if warm is not None else meta.get("pending")
+        if "partial_step" in meta:
+            self.partial = PartialStep.load(path, meta["partial_step"], self.rank, dist.get_world_size())
         if self.is_main:
-            print(f"resumed from {path} at step {self.step}", flush=True)
+            print(f"resumed from {path} at step {self.step}"
+                  + (f" (in the warm start, sft step {warm['step']})" if warm is not None else "")
+                  + (f" (in the update, {len(self.partial.update_metrics)} mini-batches done)" if self.partial else ""),
+                  flush=True)
+        return None if warm is None else int(warm["step"])
 
     def _load_rollout_ahead(self, saved: dict | None, path: Path) -> None:
         if saved is None or not any(saved["ranks"]):
             return
         if self.ahead is None:
-            raise ValueError(f"{path}: the checkpoint holds batches generated ahead (train.rollout_mode: overlap); "
+            raise ConfigError(f"{path}: the checkpoint holds batches generated ahead (train.rollout_mode: overlap); "
                              "resume it with train.rollout_mode=overlap")
         if saved["dp_size"] != self.dp_size:
-            raise ValueError(f"{path}: the batches generated ahead were split over {saved['dp_size']} data-parallel "
+            raise ConfigError(f"{path}: the batches generated ahead were split over {saved['dp_size']} data-parallel "
                              f"ranks, this run has {self.dp_size}; resume at the same data-parallel size")
         self.ahead.load_state_dict(saved["ranks"][self.dp_rank], self.train_data)
 
     # ---- the loop --------------------------------------------------------------------------------
     def preempted(self) -> bool:
+        """Whether any rank received a stop signal (a collective: every rank calls it at the same point)."""
         flag = torch.tensor([1.0 if self.preemption.requested else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def _stop_before_minibatch(self, left: int, minibatch_s: float) -> bool:
+        """Between mini-batches: stop the step here when a signal came and the grace it leaves
+        (``train.preemption_grace_s``; 0: unknown, finish the step) would not cover the ``left`` mini-batches
+        of about ``minibatch_s`` each plus the save. Any rank's word stops all (a collective)."""
+        grace = self.config.train.preemption_grace_s
+        stop = self.preemption.requested and grace > 0 and not fits_in_grace(
+            grace, self.preemption.seconds_since(), left * minibatch_s, self.save_s)
+        flag = torch.tensor([1.0 if stop else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _report_stop(self, where: str) -> None:
+        if self.is_main:
+            print(f"preempted: checkpoint saved at step {self.step}; exiting ({self.preemption.signal_name} {where})",
+                  flush=True)
+
     def run(self) -> dict[str, float]:
+        """Steps until ``train.steps`` or a stop signal. Work stops after any step, between the evaluation's
+        rollouts and (train.preemption_grace_s) between mini-batches; each stop saves what is needed to
+        continue exactly: the step's metrics still to evaluate and log, the rest of a step (PartialStep)."""
         cfg = self.config
         last: dict[str, float] = {}
-        if self.step == 0:
-            last = self.evaluate()
-            self.logger.log(0, last)
-            if cfg.train.steps == 0:
-                self.save_checkpoint()  # a warm-start-only run: its weights are what --init-from takes
-        while self.step < cfg.train.steps:
-            metrics = self.train_step()
-            self.step += 1
-            every = cfg.eval.every_steps
-            if (every and self.step % every == 0) or self.step == cfg.train.steps:
-                metrics.update(self.evaluate())
-            self.logger.log(self.step, metrics)
-            last = metrics
-            saving = cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0
-            if saving or self.step == cfg.train.steps:
-                saved = self.save_checkpoint()
-                if cfg.checkpoint.export_hf == "every_save" or (cfg.checkpoint.export_hf == "end"
-                                                                and self.step == cfg.train.steps):
-                    self.export_hf(saved)
-            if self.preempted():
-                if not saving and self.step != cfg.train.steps:
-                    self.save_checkpoint()
-                if self.is_main:
-                    print(f"preempted: checkpoint saved at step {self.step}; exiting", flush=True)
+        while not self.stopped:
+            if self.partial is not None and self.partial.restored:
+                self.pending = self._finish_step_update()
+            if self.partial is not None:  # a signal stopped the step between mini-batches
+                if self.partial.metrics is None:
+                    self.partial.metrics = self.pending  # the step's metrics but the update's
+                self.save_checkpoint({"pending": self.pending, "partial_step": self.partial.meta()}, self.partial)
+                self._report_stop(f"between mini-batches of step {self.step} "
+                                  f"({len(self.partial.update_metrics)} of them done)")
                 break
+            if self.pending is not None:
+                evaluated = self._evaluate_and_log()
+                if evaluated is None:
+                    self.save_checkpoint({"pending": self.pending})
+                    self._report_stop(f"in the evaluation of step {self.step}")
+                    break
+                last = evaluated
+            if self.preempted():
+                if self.saved_step != self.step:
+                    self.save_checkpoint()
+                self._report_stop(f"after step {self.step}")
+                break
+            if self.step >= cfg.train.steps:
+                break
+            self.pending = self.train_step()
+            self.step += 1
         return last
+
+    def _evaluate_and_log(self) -> dict[str, float] | None:
+        """Step self.step's evaluation (when due), log and checkpoint (when due) of ``self.pending``; None when
+        a signal stopped the evaluation (``self.pending`` is kept for the resumed run)."""
+        cfg = self.config
+        every, final = cfg.eval.every_steps, self.step == cfg.train.steps
+        if self.step == 0 or (every and self.step % every == 0) or final:
+            evaluated = self.evaluate(stoppable=True)
+            if evaluated is None:
+                return None
+            self.pending.update(evaluated)
+        metrics, self.pending = self.pending, None
+        self.logger.log(self.step, metrics)
+        saving = cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step > 0
+        if saving or final:  # final at step 0: a warm-start-only run, whose weights --init-from takes
+            saved = self.save_checkpoint()
+            if cfg.checkpoint.export_hf == "every_save" or (cfg.checkpoint.export_hf == "end" and final):
+                self.export_hf(saved)
+        return metrics
+
+    def _finish_step_update(self) -> dict[str, float]:
+        """A resumed step that a signal stopped between mini-batches: the rest of its update (step 6), weight
+        sync (7) and its metrics (8) with every mini-batch's, as the uninterrupted step would have logged."""
+        partial, self.partial = self.partial, None
+        more, _ = self._update(partial.shares, self.config.train.routing_replay)
+        self.sync_weights()
+        metrics = dict(partial.metrics)
+        metrics.update(combine_minibatches(partial.update_metrics + more))
+        if self.partial is not None:  # stopped again: the rest of the rest
+            self.partial.update_metrics = partial.update_metrics + self.partial.update_metrics
+            self.partial.metrics = partial.metrics
+        return metrics
 
     def close(self) -> None:
         self.logger.close()
@@ -706,8 +846,8 @@ def _training_sequences(batch, advantages: torch.Tensor, with_routing: bool,
     ``with_routing``: each carries the engine's experts (R3); ``keep`` [B][G]: False leaves a sample out
     (overlong masking, trainer/batch_filling.py)."""
     seqs = []
-    keep = keep if keep is not None else [[True] * len(samples) for _, samples, _ in batch]
-    for (prompt, samples, _), group, kept in zip(batch, advantages, keep):
+    keep = keep if keep is not None else [[True] * len(samples) for _, samples, _, _ in batch]
+    for (prompt, samples, _, _), group, kept in zip(batch, advantages, keep):
         for sample, a, k in zip(samples, group.tolist(), kept):
             if not k:
                 continue
@@ -719,10 +859,23 @@ def _training_sequences(batch, advantages: torch.Tensor, with_routing: bool,
 
 
 def _batch_metrics(batch, rewards: torch.Tensor, zero_variance: torch.Tensor) -> dict[str, float]:
-    """Reward, accuracy and response-length statistics of a rollout batch (rewards [B, G])."""
-    lengths = torch.tensor([len(s.response_ids) for _, samples, _ in batch for s in samples], dtype=torch.float32)
-    return {"reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "accuracy": float((rewards >= 1.0).float().mean()),
-            "zero_variance_group_frac": float(zero_variance.float().mean()),
-            "response_length_mean": float(lengths.mean())}
+    """Reward, accuracy (the verifiers' verdicts) and response-length statistics of a rollout batch (rewards [B, G])."""
+    lengths = torch.tensor([len(s.response_ids) for _, samples, _, _ in batch for s in samples], dtype=torch.float32)
+    out = {"reward_mean": float(rewards.mean()),
+           "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+           "accuracy": _fraction([ok for _, _, _, oks in batch for ok in oks]),
+           "zero_variance_group_frac": float(zero_variance.float().mean()),
+           "response_length_mean": float(lengths.mean())}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _fraction(correct: list[bool | None]) -> float | None:
+    """The fraction of correct responses; None when any is unjudged (no reward term judges correctness)."""
+    if any(ok is None for ok in correct):
+        return None
+    return sum(float(ok) for ok in correct) / max(len(correct), 1)
+
+
+def _any_correct(group: list[bool | None]) -> bool | None:
+    """pass@k of one prompt: any of its k responses correct (None when unjudged)."""
+    return None if any(ok is None for ok in group) else any(group)

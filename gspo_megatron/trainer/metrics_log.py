@@ -162,9 +162,13 @@ class MetricsLogger:
         if not self.enabled:
             return
         values = _as_floats(metrics)
-        self._file.write(_json_line({"step": int(step), **values}))
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._file.write(_json_line({"step": int(step), **values}))
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as err:  # ENOSPC and the like name no file: name the one being written
+            raise OSError(err.errno, f"{err.strerror} while writing the metrics of step {step}",
+                          str(metrics_path(self.run_dir))) from err
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, global_step=step)

@@ -1,21 +1,30 @@
-"""A flag raised by SIGTERM / SIGUSR1 so a preempted or time-limited job checkpoints and exits cleanly.
+"""A flag raised by SIGTERM / SIGUSR1 / SIGINT / SIGHUP so a stopped, preempted or time-limited job
+checkpoints and exits cleanly, in every phase (docs/failures.md, "The run is stopped").
 
 Slurm warns a job before killing it: ``#SBATCH --signal=B:USR1@120`` sends SIGUSR1 to the batch script
 120 s before the time limit (the sbatch examples forward it to the tasks through ``srun``), and
 ``scancel`` or a preemption sends SIGTERM, then SIGKILL after the cluster's KillWait. The handler only
 records the signal: raising inside an arbitrary frame (the middle of a collective, of an optimizer step,
-of a checkpoint write) would leave ranks out of step. The trainer reads ``requested`` once per step, at a
-point where all ranks agree, saves a checkpoint and returns.
+of a checkpoint write) would leave ranks out of step. The trainer reads ``requested`` at the points where
+work can stop and all ranks agree (each warm-start step, between the evaluation's rollouts, after each step,
+between mini-batches when the grace would not cover the rest of the step), saves a checkpoint and returns.
+A second SIGINT (Ctrl-C twice) does not wait: it raises ``KeyboardInterrupt`` (exit 130, no save).
 
 Only the main thread may install signal handlers (``signal.signal`` raises ``ValueError`` otherwise).
 """
 from __future__ import annotations
 
 import signal
+import time
+from pathlib import Path
 from types import FrameType
 from typing import Callable, Union
 
-DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+from gspo_megatron.processes import PREEMPTION_SIGNALS
+
+# SIGHUP (a closed terminal, or what some schedulers send) is a preemption like SIGTERM: one behaviour
+# in one process and under --nproc, whose launcher forwards it
+DEFAULT_SIGNALS: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS
 
 _Handler = Union[Callable[[int, FrameType | None], object], int, None]
 
@@ -29,6 +38,7 @@ class PreemptionFlag:
     def __init__(self, signals: tuple[signal.Signals, ...] = DEFAULT_SIGNALS) -> None:
         self.signals = tuple(signals)
         self._received: signal.Signals | None = None
+        self._received_at = 0.0
         self._previous: dict[signal.Signals, _Handler] = {}
 
     @property
@@ -44,10 +54,17 @@ class PreemptionFlag:
     def installed(self) -> bool:
         return bool(self._previous)
 
+    def seconds_since(self) -> float:
+        """Seconds since the first signal arrived (0 when none did)."""
+        return 0.0 if self._received is None else time.monotonic() - self._received_at
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Keep the first signal: a later SIGTERM from the scheduler does not change why we stopped.
         if self._received is None:
             self._received = signal.Signals(signum)
+            self._received_at = time.monotonic()
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C twice: stop now, without waiting for the save
 
     def install(self) -> "PreemptionFlag":
         if self._previous:
@@ -71,4 +88,50 @@ class PreemptionFlag:
         self.uninstall()
 
 
-__all__ = ["DEFAULT_SIGNALS", "PreemptionFlag"]
+def fits_in_grace(grace_s: float, elapsed_s: float, rest_of_step_s: float, save_s: float) -> bool:
+    """Whether finishing the step (``rest_of_step_s``, estimated from its mini-batches so far) and saving
+    (``save_s``, the last save's measured time) ends before the grace after the signal runs out (``grace_s``,
+    ``train.preemption_grace_s``; ``elapsed_s`` of it have passed). The weight sync and metrics that follow the
+    update are small beside it and taken as covered by the margin a grace should have anyway."""
+    return elapsed_s + rest_of_step_s + save_s <= grace_s
+
+
+class PartialStep:
+    """The rest of an RL step that a signal stopped between mini-batches: this rank's shares of the
+    mini-batches not yet trained on (the rollout batch with its old / reference log-probs and advantages), the
+    metrics of the mini-batches done, and the step's other metrics. Saved in the checkpoint (one file per rank
+    beside Megatron's, the metrics in its metadata), so the resumed run finishes the step exactly."""
+
+    def __init__(self, shares: list, update_metrics: list[dict[str, float]],
+                 metrics: dict[str, float] | None = None, restored: bool = False):
+        self.shares, self.update_metrics, self.metrics, self.restored = shares, update_metrics, metrics, restored
+
+    @staticmethod
+    def file_name(rank: int) -> str:
+        return f"partial_step_rank{rank:05d}.pt"
+
+    def meta(self) -> dict:
+        import torch.distributed as dist
+
+        return {"update_metrics": self.update_metrics, "metrics": self.metrics, "world_size": dist.get_world_size()}
+
+    def write(self, folder: Path, rank: int) -> None:
+        import torch
+
+        torch.save(self.shares, folder / self.file_name(rank))
+
+    @classmethod
+    def load(cls, folder: Path, meta: dict, rank: int, world_size: int) -> "PartialStep":
+        import torch
+
+        from gspo_megatron.typed_config import ConfigError
+
+        if meta["world_size"] != world_size:
+            raise ConfigError(f"{folder}: a signal stopped this step between mini-batches on {meta['world_size']} "
+                              f"processes; resume it on {meta['world_size']} (each holds its share of the rest)")
+        # our own file, written by PartialStep.write: TrainSequence objects, not only tensors
+        shares = torch.load(folder / cls.file_name(rank), weights_only=False)
+        return cls(shares, list(meta["update_metrics"]), dict(meta["metrics"]), restored=True)
+
+
+__all__ = ["DEFAULT_SIGNALS", "PartialStep", "PreemptionFlag", "fits_in_grace"]

@@ -6,9 +6,9 @@
 * ``--resume`` continues the run the directory holds (its newest complete checkpoint); in a directory
   without a checkpoint it starts that run from the beginning (so a requeued Slurm job can always pass
   ``--resume``).
-* While a run uses the directory, ``RUN_DIR/.lock`` names its main process (pid, host). A second
-  ``train`` on the directory is refused naming the holder; a lock whose holder is gone (same host, pid
-  not running) is taken over with a warning.
+* While a run uses the directory, ``RUN_DIR/.lock`` names its main process (pid, host, boot id and start
+  time). A second ``train`` on the directory is refused naming the holder; a lock whose holder is gone (same
+  host; the pid not running, or now another process's) is taken over with a warning.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from gspo_megatron.processes import pid_running
+from gspo_megatron.processes import pid_running, process_identity
 
 LOCK_NAME = ".lock"
 
@@ -42,7 +42,8 @@ class RunDirLock:
         except FileExistsError:
             return False
         with os.fdopen(fd, "w") as f:
-            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}, f)
+            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                       "process": process_identity(os.getpid())}, f)
         return True
 
     def holder(self) -> dict:
@@ -61,7 +62,7 @@ class RunDirLock:
             holder = self.holder()
             pid, host = holder.get("pid"), holder.get("host")
             same_host = host == socket.gethostname()
-            if pid is not None and (not same_host or (pid != os.getpid() and pid_running(int(pid)))):
+            if pid is not None and (not same_host or (pid != os.getpid() and self._holder_alive(holder))):
                 where = f"pid {pid} on {host}"
                 hint = ("" if same_host else f"; if that process is gone, delete {self.path}")
                 raise RunDirError(f"{self.path.parent}: in use by another run ({where}, lock file {self.path}){hint}")
@@ -69,6 +70,15 @@ class RunDirLock:
                   file=sys.stderr, flush=True)
             self.path.unlink(missing_ok=True)
         raise RunDirError(f"{self.path}: could not take the lock (another process keeps replacing it)")
+
+    @staticmethod
+    def _holder_alive(holder: dict) -> bool:
+        """Whether the lock's process still runs on this host: its pid, and (locks written since) the same
+        process, not another one that got the pid after a reboot or a wrap-around."""
+        pid = int(holder["pid"])
+        if "process" not in holder:
+            return pid_running(pid)
+        return process_identity(pid) == holder["process"]
 
     def release(self) -> None:
         """Remove the lock file if this process holds it (idempotent)."""

@@ -56,3 +56,25 @@ def test_the_demo_takes_the_next_free_numbered_folder(tmp_path):
     (tmp_path / "runs" / "cpu_demo-2").mkdir()
     (tmp_path / "runs" / "cpu_demo-2" / "config.yaml").write_text("x")
     assert fresh_run_dir(base) == tmp_path / "runs" / "cpu_demo-3"
+
+
+def test_a_lock_whose_pid_now_belongs_to_another_process_is_stale(tmp_path):
+    """The pid of a killed run is reused (after a reboot, or a wrap-around): the lock's boot id and start time
+    tell the new process apart, so the lock is taken over instead of refused as "in use"."""
+    from gspo_megatron.processes import process_identity
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        alive = process_identity(other.pid)
+        boot, start = alive.rsplit(":", 1)
+        (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(),
+                                                      "process": f"{boot}:{int(start) - 1}"}))
+        lock = claim(tmp_path, resume=True)  # the same pid, started at another time: not the holder
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["process"] == process_identity(os.getpid())
+        lock.release()
+        (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(), "process": alive}))
+        with pytest.raises(RunDirError, match=rf"in use by another run \(pid {other.pid}"):
+            claim(tmp_path, resume=True)  # the very process: in use
+    finally:
+        other.kill()
+        other.wait()

@@ -121,3 +121,29 @@ def test_converted_checkpoint_evaluates_with_the_training_yaml(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["num_prompts"] == 4 and 0.0 <= result["eval_accuracy"] <= 1.0
+
+
+def test_a_resume_applies_a_changed_lr_and_refuses_a_new_kl_term_by_name(run_dir, tmp_path):
+    """--resume optimizer.lr=1e-3 on a 1e-4 run trains at 1e-3 (Megatron's scheduler used to keep the
+    checkpoint's value while config.yaml said 0.001); loss.kl_coef 0 -> 0.1 would need a reference model the
+    checkpoint lacks: one line naming the field, exit 2, config.yaml unchanged (was a raw traceback)."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    config = (copy / "config.yaml").read_bytes()
+    refused = _run(train_command(copy, *RUN, "loss.kl_coef=0.1", resume=True))
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert _error_lines(refused.stderr) == [
+        "gspo-megatron train: error: loss.kl_coef: cannot change on resume (0.0 in the checkpoint, 0.1 now): the frozen "
+        "reference model exists only with kl_coef > 0: the checkpoint holds one exactly when its kl_coef was > 0 (a "
+        "change between two values > 0 is applied). Resume with loss.kl_coef=0.0, or start a new run (--init-from "
+        "takes the weights)"]
+    assert "Traceback" not in refused.stderr and (copy / "config.yaml").read_bytes() == config
+    applied = _run(train_command(copy, *[r for r in RUN if not r.startswith("train.steps")], "train.steps=3",
+                                 "optimizer.lr=1e-3", resume=True))
+    assert applied.returncode == 0, applied.stderr[-3000:]
+    assert "resume: optimizer.lr 0.0001 -> 0.001 (applied)" in applied.stdout
+    assert "resume: train.steps 2 -> 3 (applied)" in applied.stdout
+    metrics = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    assert metrics[2]["lr"] == pytest.approx(1e-4) and metrics[3]["lr"] == pytest.approx(1e-3)
+    assert "lr: 0.001" in (copy / "config.yaml").read_text()

@@ -182,3 +182,79 @@ def test_score_after_close_raises(custom_module):
     pool.close()  # idempotent
     with pytest.raises(RuntimeError, match="after close"):
         pool.score([({}, "x")])
+
+
+def test_a_worker_killed_from_outside_is_replaced_and_the_run_goes_on(custom_module):
+    """What the OOM killer does: SIGKILL a worker between batches (idle: the next send meets a broken pipe)
+    and during a batch (the response it was on scores 0 and is counted); scoring never raises."""
+    import signal
+
+    cfg = _cfg([{"name": f"{custom_module}:flaky"}], num_workers=2, timeout_s=5.0)
+    with RewardPool(cfg) as pool:
+        assert pool.score([({}, "ok")] * 4)[0] == [1.0] * 4
+        for pid in pool.worker_pids:  # both idle workers die
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        rewards, metrics = pool.score([({}, "ok")] * 6)
+        assert rewards == [1.0] * 6  # an idle worker had no response: nothing is lost
+        assert metrics["rewards/worker_restarts"] >= 1 and metrics["rewards/errors"] == 0
+        # mid-batch: a response that sleeps long enough to be killed on
+        def kill_soon():
+            time.sleep(1.0)
+            for pid in pool.worker_pids:
+                os.kill(pid, signal.SIGKILL)
+
+        import threading
+
+        killer = threading.Thread(target=kill_soon)
+        killer.start()
+        rewards, metrics = pool.score([({}, "sleep"), ({}, "sleep")])
+        killer.join()
+        assert rewards == [0.0, 0.0]
+        assert metrics["rewards/flaky/errors"] == 2 and metrics["rewards/flaky/timeouts"] == 0
+        assert metrics["rewards/worker_restarts"] == 2
+        assert pool.score([({}, "ok")] * 3)[0] == [1.0] * 3
+
+
+CORRECTNESS = textwrap.dedent('''
+    from gspo_megatron.rewards.types import Verdict
+
+    def ten_scale(sample, response):
+        return float(response)
+
+    def judged(sample, response):
+        return Verdict(float(response), correct=response == "7")
+''')
+
+
+def test_correctness_comes_from_the_verdict_or_the_declared_range(tmp_path, monkeypatch):
+    """A 0-10 reward: undeclared, it judges no correctness (never 'reward >= 1'); declared [0, 10], 10 is
+    correct and 11 is refused naming the term; a Verdict's own correct decides; a weight-0 term does not."""
+    (tmp_path / "gspo_test_correct.py").write_text(CORRECTNESS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    batch = [({}, "3"), ({}, "10"), ({}, "11"), ({}, "7")]
+    with RewardPool(_cfg([{"name": "gspo_test_correct:ten_scale"}], num_workers=0)) as pool:
+        scores = pool.score_verdicts(batch)
+    assert scores.rewards == [3.0, 10.0, 11.0, 7.0] and scores.correct == [None] * 4
+    with RewardPool(_cfg([{"name": "gspo_test_correct:ten_scale", "range": [0, 10]}], num_workers=0)) as pool:
+        scores = pool.score_verdicts(batch)
+        assert scores.rewards == [3.0, 10.0, 0.0, 7.0] and scores.correct == [False, True, False, False]
+        assert scores.metrics["rewards/ten_scale/out_of_range"] == 1 and scores.metrics["rewards/errors"] == 1
+        assert "reward 11 outside rewards.terms[0].range [0, 10] of term 'ten_scale'" in pool.recent_errors[-1]
+    terms = [{"name": "gspo_test_correct:judged", "range": [0, 10]}, {"name": "gspo_test_correct:ten_scale", "weight": 0}]
+    with RewardPool(_cfg(terms, num_workers=0)) as pool:
+        assert pool.score_verdicts(batch).correct == [False, False, False, True]
+    with RewardPool(_cfg([{"name": "synthetic"}], num_workers=0)) as pool:
+        # a built-in says so itself, and scores in [0, 1]
+        sample = {"answer": "1 2 3", "meta": {"task": "sort"}}
+        assert pool.score_verdicts([(sample, "x"), (sample, "1 2 3")]).correct == [False, True]
+    with pytest.raises(ConfigError, match=r"rewards.terms\[0\].range: must be \[low, high\] with low < high"):
+        _cfg([{"name": "a.b:f", "range": [1, 0]}])
+
+
+@pytest.mark.parametrize("field, value", [("weight", ".nan"), ("weight", ".inf")])
+def test_non_finite_reward_settings_are_refused(field, value):
+    import yaml
+
+    with pytest.raises(ConfigError, match=rf"rewards.terms\[0\].{field}: must be a finite number"):
+        _cfg([{"name": "math", field: yaml.safe_load(value)}])

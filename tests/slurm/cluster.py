@@ -7,6 +7,7 @@ the local cluster, the repository on ``PYTHONPATH``, and none of the launch vari
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -17,9 +18,25 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import pytest
+
+
+@contextlib.contextmanager
+def teardown_on_sigterm() -> Iterator[None]:
+    """While a cluster runs, SIGTERM and SIGHUP to pytest (a CI timeout, a closed terminal) raise
+    KeyboardInterrupt: pytest then unwinds like after Ctrl-C and runs the fixtures' teardowns, which stop the
+    daemons and remove the network namespaces. Killed by the default action, it used to leave them running."""
+    def interrupt(signum: int, _frame) -> None:
+        raise KeyboardInterrupt(f"pytest got {signal.Signals(signum).name}: stopping the Slurm test clusters")
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO_ROOT / "tools" / "slurm" / "local_cluster.sh"

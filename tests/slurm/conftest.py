@@ -16,7 +16,7 @@ from typing import Iterator
 import pytest
 
 from tests.slurm.cluster import (CLUSTER_SCRIPT, EXIT_CANNOT_INSTALL, LocalSlurm, MultiNodeSlurm, start_multinode,
-                                 stop_multinode)
+                                 stop_multinode, teardown_on_sigterm)
 
 
 def _cluster_cmd(action: str, timeout_s: float) -> subprocess.CompletedProcess:
@@ -25,6 +25,11 @@ def _cluster_cmd(action: str, timeout_s: float) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[LocalSlurm]:
+    with teardown_on_sigterm():
+        yield from _slurm_cluster()
+
+
+def _slurm_cluster() -> Iterator[LocalSlurm]:
     was_running = _cluster_cmd("status", 30).returncode == 0
     # Installing the packages takes about 20 s cold; apt may wait for another apt's lock.
     started = _cluster_cmd("start", 900)
@@ -44,9 +49,10 @@ def slurm_cluster() -> Iterator[LocalSlurm]:
 def slurm_multinode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeSlurm]:
     """A 2-node cluster (two network namespaces) for this session only, beside any single-node one; when
     the session ends it is stopped and the teardown fails if anything of it is left."""
-    cluster = start_multinode(tmp_path_factory.mktemp("slurm-multinode"), nodes=2)
-    try:
-        yield cluster
-    finally:
-        left = stop_multinode(cluster)
-        assert not left, f"the multi-node cluster left behind: {left}"
+    with teardown_on_sigterm():
+        cluster = start_multinode(tmp_path_factory.mktemp("slurm-multinode"), nodes=2)
+        try:
+            yield cluster
+        finally:
+            left = stop_multinode(cluster)
+            assert not left, f"the multi-node cluster left behind: {left}"

@@ -11,4 +11,5 @@ from gspo_megatron.rewards.types import Verdict
 def digit_fraction(sample: Mapping[str, Any], response: str) -> Verdict:
     """The fraction of the response's non-space characters that are digits (0 for an empty response)."""
     chars = [c for c in response if not c.isspace()]
-    return Verdict(sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0)
+    score = sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+    return Verdict(score, correct=score == 1.0)  # accuracy: responses of digits only

@@ -12,7 +12,7 @@ from gspo_megatron.trainer.batch_filling import (BatchFiller, informative, loss_
 def group(name, rewards, lengths=None, truncated=()):
     lengths = lengths or [3] * len(rewards)
     samples = [Sample(0, [1] * n, [-0.5] * n, "length" if j in truncated else "stop") for j, n in enumerate(lengths)]
-    return (name, samples, list(rewards))
+    return (name, samples, list(rewards), [r >= 1.0 for r in rewards])
 
 
 def names(groups):
@@ -56,12 +56,12 @@ def test_mask_takes_exactly_the_truncated_samples_out_of_the_loss():
 def test_mask_leaves_the_training_sequences_and_their_normaliser():
     from gspo_megatron.trainer.loop import _training_sequences
 
-    batch = [("p", [Sample(0, [5, 6], [-0.1, -0.2], "stop"), Sample(0, [7, 8, 9], [-0.3] * 3, "length")], [1.0, 0.0])]
+    batch = [("p", [Sample(0, [5, 6], [-0.1, -0.2], "stop"), Sample(0, [7, 8, 9], [-0.3] * 3, "length")], [1.0, 0.0], [True, False])]
 
     class Prompt:
         prompt_ids = [1, 2]
 
-    batch = [(Prompt(), samples, rewards) for _, samples, rewards in batch]
+    batch = [(Prompt(), samples, rewards, correct) for _, samples, rewards, correct in batch]
     adv = group_advantages(torch.tensor([[1.0, 0.0]])).advantages
     every = _training_sequences(batch, adv, with_routing=False)
     kept = _training_sequences(batch, adv, with_routing=False, keep=loss_keep(batch, "mask"))

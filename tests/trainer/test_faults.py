@@ -61,3 +61,46 @@ def test_one_ranks_engine_fails_every_rank_resyncs(tmp_path):
     runs = run_distributed(engine_failures, 2, (str(tmp_path / "b"), 5, 1))
     assert all(not r["ok"] and r["restarts"] == 2 for r in runs)
     assert "engine died" in runs[1]["error"] and "other rank(s) failed" in runs[0]["error"]
+
+
+def overlap_engine_killed(rank, world_size, run_dir: str) -> dict:
+    import os
+    import signal
+
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.trainer.loop import Trainer
+
+    overrides = ["sft.steps=0", "train.steps=2", "logging.console=false", "logging.tensorboard=false",
+                 "train.prompts_per_step=2", "rollout.max_new_tokens=4", "train.rollout_mode=overlap",
+                 "train.minibatches_per_step=2"]
+    trainer = Trainer(load_config(DEMO, overrides), run_dir)
+
+    def kill_engine():  # what the OOM killer does
+        os.kill(trainer.engine._process.pid, signal.SIGKILL)
+        trainer.engine._process.join(30)
+
+    real_train, calls = trainer.policy.train_minibatch, {"n": 0}
+
+    def train_minibatch(*args, **kwargs):  # the engine dies while it generates ahead during the update
+        calls["n"] += 1
+        if calls["n"] == 1:
+            kill_engine()
+        return real_train(*args, **kwargs)
+
+    trainer.policy.train_minibatch = train_minibatch
+    try:
+        trainer.train_step()  # its weight sync meets the dead engine
+        trainer.step += 1
+        kill_engine()  # between steps: the next top-up meets it
+        metrics = trainer.train_step()
+        return {"restarts": trainer.faults["engine_restarts"], "reward": metrics["reward_mean"],
+                "healthy": trainer.engine.healthy()}
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_a_killed_overlap_engine_process_is_restarted_and_the_run_goes_on(tmp_path):
+    """The killed engine used to end the run: the failure surfaced in sync_weights, outside the restart loop."""
+    result = run_distributed(overlap_engine_killed, 1, (str(tmp_path / "run"),))[0]
+    assert result["restarts"] == 2 and result["healthy"] and 0.0 <= result["reward"] <= 1.0

@@ -222,7 +222,7 @@ def trainer_worker(rank, world_size, run_dir: str, urls: list, disk_dir: str) ->
         batch, _ = trainer.rollout(next(trainer.prompts), SECOND_ROLLOUT_SEED + trainer.dp_rank, 2, 1.0, 4)
         return {"posts": trainer.engine.posts_weights, "version": trainer.engine.weight_version,
                 "dp_rank": trainer.dp_rank, "dp_size": trainer.dp_size, "reward": metrics["reward_mean"],
-                "second": sum(len(s) for _, s, _ in batch)}
+                "second": sum(len(s) for _, s, _, _ in batch)}
     finally:
         trainer.close()
 

@@ -1,0 +1,55 @@
+"""Real signals to `gspo-megatron train` in its supervised warm start (which used to ignore them): SIGHUP and
+SIGINT in one process, SIGTERM under --nproc 2 (forwarded past torchrun, whose own handling SIGKILLs the
+ranks 30 s later). Each saves the warm start where it was, exits with the documented status (0; 130 for
+Ctrl-C), leaves no process and no lock, and the resume continues the warm start from that step."""
+import json
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from tests.reliability.helpers import REPO, describe, kill_tagged, tagged_env, train_command, wait_until_gone
+
+pytestmark = pytest.mark.slow
+WARM = ["train.steps=1", "sft.steps=400", "eval.every_steps=0"]
+
+
+@pytest.mark.parametrize("nproc, sig, code", [(1, signal.SIGHUP, 0), (1, signal.SIGINT, 130), (2, signal.SIGTERM, 0)])
+def test_a_signal_in_the_warm_start_saves_it_and_the_resume_continues_it(tmp_path, nproc, sig, code):
+    env, tag = tagged_env()
+    run_dir = tmp_path / "run"
+    overrides = WARM + (["parallel.expert_parallel=2"] if nproc == 2 else [])
+    proc = subprocess.Popen(train_command(run_dir, *overrides, nproc=nproc), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 600
+        while not any(line.startswith("sft step 1/400") for line in out):
+            assert proc.poll() is None, "the run ended before its warm start:\n" + "".join(out[-30:])
+            assert time.monotonic() < deadline, "no warm start in time"
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=300) == code, "".join(out[-30:])
+        reader.join(timeout=10)
+        left = wait_until_gone(tag, 10)
+        assert not left, describe(left)
+        stop = [line for line in out if line.startswith("preempted: checkpoint saved at step 0; exiting")]
+        named = "SIGTERM" if nproc == 2 else sig.name  # the launcher forwards SIGTERM to the ranks
+        assert len(stop) == 1 and f"({named} in the warm start at sft step " in stop[0], "".join(out[-30:])
+        meta = json.loads((run_dir / "checkpoints" / "step_000000" / "gspo_meta.json").read_text())
+        assert 1 <= meta["warm_start"]["step"] < 400 and not (run_dir / ".lock").exists()
+    finally:
+        proc.kill()
+        kill_tagged(tag)
+    if nproc == 1 and sig == signal.SIGHUP:  # the resume continues the warm start (once is enough)
+        resumed = subprocess.run(train_command(run_dir, *WARM, "sft.steps=" + str(meta["warm_start"]["step"] + 2),
+                                               resume=True), cwd=REPO, env=env, capture_output=True, text=True,
+                                 timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"(in the warm start, sft step {meta['warm_start']['step']})" in resumed.stdout
+        assert f"sft step {meta['warm_start']['step'] + 2}/{meta['warm_start']['step'] + 2}" in resumed.stdout
+        assert "resume: sft.steps 400 -> " in resumed.stdout
