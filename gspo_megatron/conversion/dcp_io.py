@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from gspo_megatron.conversion.byte_ranges import Piece, Segment, contiguous_span, copy_pieces
+from gspo_megatron.conversion.byte_ranges import Piece, Segment, contiguous_span, copy_pieces, pwrite_all
 from gspo_megatron.conversion.errors import ConversionError, name_list
 from gspo_megatron.conversion.safetensors_io import WRITEBACK_BYTES, BackgroundWriteback
 from gspo_megatron.conversion.tables import VOCAB_PARAMS
@@ -255,7 +255,7 @@ class _RecordWriter(dcp.FileSystemWriter):
         for item in sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO):  # objects first, as DCP
             start = position
             if item.type == WriteItemType.BYTE_IO:
-                position += _pwrite_all(fd, self._objects[item.index.fqn], position)
+                position += pwrite_all(fd, self._objects[item.index.fqn], position)
             else:
                 source = planner.chunks[item.index]
                 if sum(p.nbytes for p in source.pieces) != source.nbytes:
@@ -263,9 +263,9 @@ class _RecordWriter(dcp.FileSystemWriter):
                                           f"{sum(p.nbytes for p in source.pieces)}, the model needs "
                                           f"{list(source.chunk.stored_sizes)} {source.dtype} ({source.nbytes} bytes)")
                 prefix, suffix = record_template(source.chunk.stored_sizes, source.dtype)
-                position += _pwrite_all(fd, prefix, position)
+                position += pwrite_all(fd, prefix, position)
                 position += copy_pieces(source.pieces, fd, position, str(path))
-                position += _pwrite_all(fd, suffix, position)
+                position += pwrite_all(fd, suffix, position)
                 self._on_write(source.nbytes)
                 unflushed += source.nbytes
             results.append(WriteResult(index=item.index, size_in_bytes=position - start,
@@ -274,13 +274,6 @@ class _RecordWriter(dcp.FileSystemWriter):
                 writeback.kick(fd)
                 unflushed = 0
         return results
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> int:
-    view, done = memoryview(data), 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-    return done
 
 
 def _check_coverage(metadata) -> None:
