@@ -90,7 +90,8 @@ def _spec_canonical(local_name: str, gpt: torch.nn.Module) -> str:
 
     config = gpt.config
     num_local = (config.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()
-    return te_to_canonical(canonical_name(local_name, gpt), ps.get_expert_model_parallel_rank(), num_local)
+    return te_to_canonical(canonical_name(local_name, gpt), ps.get_expert_model_parallel_rank(), num_local,
+                           mla=config.multi_latent_attention)
 
 
 def shard_infos(model: torch.nn.Module) -> Iterator[tuple[ShardInfo, torch.nn.Parameter]]:
