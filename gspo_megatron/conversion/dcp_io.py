@@ -136,19 +136,24 @@ def _meta_model(config: ModelConfig, vocab_rows: int):
                         rotary_percent=config.rotary_percent)
 
 
-def checkpoint_layout(config: ModelConfig, padded_vocab: int | None = None) -> CheckpointLayout:
+def checkpoint_layout(config: ModelConfig, padded_vocab: int | None = None,
+                      per_layer: bool | None = None) -> CheckpointLayout:
     """Key, global shape and offsets of every canonical parameter, as Megatron's sharded_state_dict
     names them (needs ``single_process_megatron``). With ``padded_vocab`` (``ModelConfig.padded_vocab_size``
     of a TP size) the vocabulary tensors' global shape has that many rows, the last ones padding;
-    without, the vocabulary is unpadded (enough to read: a reader requests the canonical rows only)."""
+    without, the vocabulary is unpadded (enough to read: a reader requests the canonical rows only).
+    ``per_layer``: the layer keying of the checkpoint to read (``sharding.layer_keys``; None: the config's)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+
+    from gspo_megatron.megatron.sharding import layer_keys
 
     vocab_rows = config.vocab_size if padded_vocab is None else padded_vocab
     if vocab_rows < config.vocab_size:
         raise ValueError(f"checkpoint_layout: padded_vocab={vocab_rows} < vocab_size={config.vocab_size}")
     model = _meta_model(config, vocab_rows)
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # buffers: the routers' expert bias
-    state = model.sharded_state_dict(prefix=PREFIX)
+    with layer_keys(model, per_layer):
+        state = model.sharded_state_dict(prefix=PREFIX)
     apply_factories(state)  # SwiGLU fc1 becomes its gate and up halves (two chunks of one key)
     chunks: dict[str, Chunk] = {}
     objects: dict[str, object] = {}

@@ -35,6 +35,7 @@ from gspo_megatron.conversion.safetensors_io import (INDEX_NAME, SINGLE_NAME, Ba
 from gspo_megatron.conversion.release_formats import ReleaseView
 from gspo_megatron.conversion.tables import Entry, expand, left_out, validate_layout
 from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.megatron.sharding import stored_layer_keying
 from gspo_megatron.models import registry
 from gspo_megatron.processes import pid_running
 
@@ -377,8 +378,10 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
     inputs = (megatron_dir,) + ((template,) if template else ())
     check_output(out, overwrite, inputs)
     entries = expand(config)
+    with dcp_io.CheckpointReader(megatron_dir) as probe:  # per-layer or stacked keys, as it was saved
+        per_layer = stored_layer_keying(probe.tensor_keys())
     with dcp_io.single_process_megatron():
-        layout = dcp_io.checkpoint_layout(config)
+        layout = dcp_io.checkpoint_layout(config, per_layer=per_layer)
     _check_table_matches_model(entries, layout, config)
     mtp_dir = _mtp_source(megatron_dir, template, config)
     with dcp_io.CheckpointReader(megatron_dir) as reader, contextlib.ExitStack() as stack:

@@ -87,6 +87,8 @@ class Family:
     mtp_layers: bool = False
     qkv_bias: bool = False
     qk_layernorm: bool = False
+    # Megatron-Bridge and Megatron-LM pass moe_layer_freq as a list for this family (per-layer checkpoint keys)
+    moe_layer_list: bool = False
 
     @property
     def trainable(self) -> bool:
