@@ -32,7 +32,8 @@ from gspo_megatron.conversion.byte_ranges import canonical_pieces, hf_pieces
 from gspo_megatron.conversion.errors import ConversionError, name_list
 from gspo_megatron.conversion.safetensors_io import (INDEX_NAME, SINGLE_NAME, BackgroundWriteback, HFCheckpoint,
                                                      SafetensorsWriter, TensorSpec, plan_shards, write_index)
-from gspo_megatron.conversion.release_formats import ReleaseView
+from gspo_megatron.conversion import fp8
+from gspo_megatron.conversion.release_formats import ReleaseView, exported_as_fp8, fp8_quantization_config
 from gspo_megatron.conversion.tables import Entry, expand, left_out, validate_layout
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.sharding import stored_layer_keying
@@ -339,14 +340,14 @@ def export_config(megatron_dir: Path, hf_template: Path | None) -> tuple[ModelCo
 
 
 def _write_hf_config(template: Path | None, config: ModelConfig, dest: Path, dtype: torch.dtype | None,
-                     stored_dtype: torch.dtype) -> None:
+                     stored_dtype: torch.dtype, fp8_block: tuple[int, int] | None = None) -> None:
     """The template's files (config.json re-dtyped when casting or when the template was FP8), else a config.json and a
     generation_config.json made from the model config (no tokenizer: there is none to copy)."""
     if template is not None:
         copy_hf_side_files(template, dest)
         data = json.loads((dest / "config.json").read_text())
         quantized = data.pop("quantization_config", None) is not None  # what is written is dequantized
-        if dtype is None and not quantized:
+        if dtype is None and not quantized and fp8_block is None:
             return
     else:
         import transformers
@@ -355,25 +356,31 @@ def _write_hf_config(template: Path | None, config: ModelConfig, dest: Path, dty
         transformers.GenerationConfig.from_model_config(config.to_hf_config()).save_pretrained(dest)
     key = "torch_dtype" if "torch_dtype" in data and "dtype" not in data else "dtype"
     data[key] = str(dtype or stored_dtype).removeprefix("torch.")
+    if fp8_block is not None:
+        data["quantization_config"] = fp8_quantization_config(fp8_block)
     _write_json(dest / "config.json", data)
 
 
 def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, hf_template: str | Path | None = None,
                    max_shard_bytes: int | None = None, dtype: torch.dtype | None = None,
-                   overwrite: bool = False, progress: bool = True, read_batch_bytes: int = READ_BATCH_BYTES) -> Path:
+                   overwrite: bool = False, progress: bool = True, read_batch_bytes: int = READ_BATCH_BYTES,
+                   fp8_block: tuple[int, int] | None = None) -> Path:
     """Convert a torch_dist checkpoint (any layout it was saved at) into a Hugging Face folder.
 
     Without ``max_shard_bytes`` the template's shard assignment is reused when its index names the same
     tensors (so a round trip reproduces the index), else shards are capped at 5 GB; with it, shards are
     capped at ``max_shard_bytes``. The vocabulary is unpadded; ``dtype`` (default: as stored) casts.
+    ``fp8_block``: write the projection weights as block-scaled FP8 in blocks of this shape, as the
+    DeepSeek-V3 release does (``release_formats.exported_as_fp8``), for FP8 rollout servers.
     """
     with one_intra_op_thread():
         return _megatron_to_hf(Path(megatron_dir), Path(out_dir), Path(hf_template) if hf_template else None,
-                               max_shard_bytes, dtype, overwrite, progress, read_batch_bytes)
+                               max_shard_bytes, dtype, overwrite, progress, read_batch_bytes, fp8_block)
 
 
 def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_shard_bytes: int | None,
-                    dtype: torch.dtype | None, overwrite: bool, progress: bool, read_batch_bytes: int) -> Path:
+                    dtype: torch.dtype | None, overwrite: bool, progress: bool, read_batch_bytes: int,
+                    fp8_block: tuple[int, int] | None) -> Path:
     config, template = export_config(megatron_dir, template)
     inputs = (megatron_dir,) + ((template,) if template else ())
     check_output(out, overwrite, inputs)
@@ -397,6 +404,8 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
                  for spec in _hf_specs(e, layout.chunks[e.megatron], dtype or requests[e.megatron].dtype)]
         specs += [dataclasses.replace(mtp_view.tensors[n].spec, dtype=dtype or mtp_view.tensors[n].spec.dtype)
                   for n in mtp]
+        output = FP8Output(fp8_block, dtype)
+        specs = output.specs(specs)
         template_index = None
         if max_shard_bytes is None and template is not None and (template / INDEX_NAME).is_file():
             template_index = json.loads((template / INDEX_NAME).read_text())
@@ -409,11 +418,12 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
                     _ShardWriters(tmp, plan, bar.update) as shards:
                 loaded = []
                 for request in order:
-                    segments = reader.segments(request, items[request.name]) if dtype in (None, request.dtype) else None
+                    entry = by_name[request.name]
+                    copied = dtype in (None, request.dtype) and not any(output.quantized(n, None) for n in entry.hf)
+                    segments = reader.segments(request, items[request.name]) if copied else None
                     if segments is None:
                         loaded.append(request)
                         continue
-                    entry = by_name[request.name]
                     blocks = entry.transform.row_blocks(request.shape)
                     for name, pieces in zip(entry.hf, hf_pieces(blocks, request.shape, request.dtype.itemsize,
                                                                  len(entry.hf), segments)):
@@ -423,16 +433,48 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
                     for request in batch:
                         entry = by_name[request.name]
                         for name, tensor in zip(entry.hf, entry.transform.to_hf(tensors.pop(request.name))):
-                            shards.write(name, tensor.to(dtype) if dtype is not None else tensor)
-                for name in mtp:  # put back as they were kept (or cast)
-                    if dtype in (None, mtp_view.tensors[name].spec.dtype):
+                            output.write(shards, name, tensor)
+                for name in mtp:  # put back as they were kept (or cast, or quantized)
+                    if dtype in (None, mtp_view.tensors[name].spec.dtype) and not output.quantized(name, None):
                         shards.copy(name, [mtp_view.piece(name)])
                     else:
-                        shards.write(name, mtp_view.read(name).to(dtype))
+                        output.write(shards, name, mtp_view.read(name))
             if plan.index is not None:
                 write_index(tmp, plan.index)
-            _write_hf_config(template, config, tmp, dtype, next(iter(requests.values())).dtype)
+            _write_hf_config(template, config, tmp, dtype, next(iter(requests.values())).dtype, fp8_block)
     return out
+
+
+class FP8Output:
+    """What the export writes for each HF tensor: as it is (cast to ``dtype`` if given), or, with
+    ``block``, the projection weights as block-scaled FP8 plus their ``_scale_inv`` (``fp8.quantize``)."""
+
+    def __init__(self, block: tuple[int, int] | None, dtype: torch.dtype | None):
+        self.block, self.dtype = block, dtype
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    def quantized(self, name: str, shape: tuple[int, ...] | None) -> bool:
+        shape = self._shapes.get(name) if shape is None else shape
+        return self.block is not None and shape is not None and exported_as_fp8(name, shape)
+
+    def specs(self, specs: list[TensorSpec]) -> list[TensorSpec]:
+        out = []
+        for spec in specs:
+            self._shapes[spec.name] = spec.shape
+            if not self.quantized(spec.name, spec.shape):
+                out.append(spec)
+                continue
+            out += [TensorSpec(spec.name, spec.shape, fp8.FP8),
+                    TensorSpec(spec.name + fp8.SCALE_SUFFIX, fp8.scale_shape(spec.shape, self.block), torch.float32)]
+        return out
+
+    def write(self, shards: "_ShardWriters", name: str, tensor: torch.Tensor) -> None:
+        if not self.quantized(name, tuple(tensor.shape)):
+            shards.write(name, tensor.to(self.dtype) if self.dtype is not None else tensor)
+            return
+        q, scale = fp8.quantize(tensor, self.block)
+        shards.write(name, q)
+        shards.write(name + fp8.SCALE_SUFFIX, scale)
 
 
 class _ShardWriters:

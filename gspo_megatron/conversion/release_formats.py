@@ -126,6 +126,18 @@ def fp8_settings(hf_config: Mapping, source: str) -> tuple[tuple[int, int], torc
     return (block[0], block[1]), CONFIG_DTYPES[name]
 
 
+def exported_as_fp8(name: str, shape: tuple[int, ...]) -> bool:
+    """The tensors an FP8 export quantizes, as the DeepSeek-V3 release does: the matrices of the linear
+    projections (``*_proj.weight``: attention, dense, shared and routed experts, MTP's ``eh_proj``); the
+    embedding, output layer, norms, router and expert bias stay in the model's dtype."""
+    return name.endswith("_proj.weight") and len(shape) == 2
+
+
+def fp8_quantization_config(block: tuple[int, int]) -> dict:
+    """config.json's ``quantization_config`` of an FP8 export (what ``fp8_settings`` reads back)."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+
+
 class ReleaseView:
     """The tensors of ``hf`` as the weight tables of ``config`` name them (module docstring)."""
 

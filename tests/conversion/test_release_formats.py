@@ -178,3 +178,30 @@ def test_fp8_errors_name_the_tensor_or_field(tmp_path):
         with pytest.raises(ConversionError, match=message):
             offline.hf_to_megatron(hf, tmp_path / f"meg{i}", progress=False)
         assert not (tmp_path / f"meg{i}").exists()
+
+
+def test_fp8_export_in_the_release_block_scheme_reads_back(tmp_path):
+    """megatron -> hf with --fp8-block writes every projection matrix as e4m3 plus its 128x128 scales (norms,
+    router, embeddings as they were) and a quantization_config; that folder converts back to a checkpoint
+    whose tensors are the FP8 ones dequantized, and exporting it again in FP8 gives the same bytes."""
+    from gspo_megatron.conversion.cli import main as cli_main
+
+    hf = make_hf_dir("deepseek_v3", tmp_path / "hf", dtype=torch.bfloat16)
+    meg = offline.hf_to_megatron(hf, tmp_path / "meg", progress=False)
+    assert cli_main(["megatron-to-hf", "--megatron-dir", str(meg), "--out", str(tmp_path / "fp8"), "--fp8-block",
+                     "128x128", "--no-progress"]) == 0
+    exported, original = read_all(tmp_path / "fp8"), read_all(hf)
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert config["quantization_config"] == dict(QUANTIZATION, weight_block_size=[128, 128])
+    for name, tensor in original.items():
+        if release_formats.exported_as_fp8(name, tuple(tensor.shape)):
+            q, s = exported.pop(name), exported.pop(name + "_scale_inv")
+            assert q.dtype == fp8.FP8 and s.shape == fp8.scale_shape(tensor.shape, (128, 128))
+            assert torch.allclose(reference_dequantize(q, s, (128, 128)).float(), tensor.float(), rtol=0.07, atol=1e-3)
+        else:
+            assert torch.equal(exported.pop(name), tensor), name
+    assert not exported
+    again = offline.hf_to_megatron(tmp_path / "fp8", tmp_path / "meg2", progress=False)
+    offline.megatron_to_hf(again, tmp_path / "fp8-again", fp8_block=(128, 128), progress=False)
+    assert (tmp_path / "fp8-again" / "model.safetensors").read_bytes() == \
+        (tmp_path / "fp8" / "model.safetensors").read_bytes()
