@@ -62,7 +62,7 @@ def _fill(spec, position: int):
     from gspo_megatron.conversion import fp8
 
     pool = _random_block().view(torch.uint8)
-    start = position % (pool.numel() - spec.nbytes) if spec.nbytes < pool.numel() else 0
+    start = (position % (pool.numel() - spec.nbytes)) // 16 * 16 if spec.nbytes < pool.numel() else 0
     raw = pool[start:start + spec.nbytes] if spec.nbytes <= pool.numel() else pool.repeat(
         math.ceil(spec.nbytes / pool.numel()))[:spec.nbytes]
     if spec.dtype == fp8.FP8:  # random bytes include NaNs: clear e4m3's all-ones exponent+mantissa
@@ -182,13 +182,13 @@ def deepseek_config(size_gb: float, experts: int):
     def fp8_bytes(layers: int) -> int:
         from gspo_megatron.testing.models import canonical_shapes
 
-        config = ModelConfig(num_layers=layers, num_experts=experts, **DEEPSEEK)
+        config = ModelConfig(num_layers=layers, num_experts=experts, **{**DEEPSEEK, "moe_router_topk": min(8, experts)})
         return sum(math.prod(s) * (1 if len(s) == 2 and "embedding" not in n and "output_layer" not in n
                                    and "router" not in n else 2) for n, s in canonical_shapes(config).items())
     layers = 2
     while fp8_bytes(layers + 1) <= size_gb * 1e9:
         layers += 1
-    config = ModelConfig(num_layers=layers, num_experts=experts, **DEEPSEEK)
+    config = ModelConfig(num_layers=layers, num_experts=experts, **{**DEEPSEEK, "moe_router_topk": min(8, experts)})
     config.validate("bench_convert_scale")
     return config
 
