@@ -235,15 +235,16 @@ def main() -> None:
     record = {"command": "python benchmarks/bench_convert_scale.py " + " ".join(sys.argv[1:]),
               "cpu_count": os.cpu_count(),
               "note": "one run; this 2-core machine is shared with other jobs, so figures vary from run to run"}
-    try:
-        if args.fp8_gb > 0:
-            record["fp8_deepseek_v3"] = fp8_case(work, args.fp8_gb, args.fp8_experts)
+    RESULT.parent.mkdir(parents=True, exist_ok=True)
+    try:  # the record is written after each case, so an interrupted run keeps what it measured
         if args.bf16_gb > 0:
             record["bf16_qwen3_moe"] = bf16_case(work, args.bf16_gb)
+            RESULT.write_text(json.dumps(record, indent=2) + "\n")
+        if args.fp8_gb > 0:
+            record["fp8_deepseek_v3"] = fp8_case(work, args.fp8_gb, args.fp8_experts)
+            RESULT.write_text(json.dumps(record, indent=2) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(record, indent=2) + "\n")
     for case in ("bf16_qwen3_moe", "fp8_deepseek_v3"):
         if case not in record:
             continue
