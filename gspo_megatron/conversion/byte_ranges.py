@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import errno
 import os
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 from gspo_megatron.conversion.errors import ConversionError
 from gspo_megatron.conversion.transforms import RowBlock
@@ -22,10 +22,20 @@ _UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno
 _BUFFER_BYTES = 8 * 2**20
 
 
-class Piece(NamedTuple):
-    """``nbytes`` bytes at absolute offset ``offset`` of the open file ``fd`` (``path`` names it in errors)."""
+class Computed(Protocol):
+    """A source whose bytes are computed as they are copied (e.g. a dequantized FP8 tensor): a ``Piece``
+    with such an ``fd`` addresses bytes of the computed tensor, as if it were stored."""
 
-    fd: int
+    def write_range(self, offset: int, nbytes: int, dst_fd: int, dst_offset: int) -> None: ...
+
+    def read_range(self, offset: int, nbytes: int) -> bytes | bytearray: ...
+
+
+class Piece(NamedTuple):
+    """``nbytes`` bytes at absolute offset ``offset`` of the open file ``fd`` (``path`` names it in errors),
+    or of a ``Computed`` source."""
+
+    fd: int | Computed
     offset: int
     nbytes: int
     path: str
@@ -130,7 +140,34 @@ def copy_pieces(pieces: Sequence[Piece], dst_fd: int, dst_offset: int, dst_path:
     return sum(p.nbytes for p in pieces)
 
 
+def read_piece(piece: Piece) -> bytes | bytearray:
+    """The piece's bytes, read into memory (for the few that are loaded rather than copied)."""
+    if not isinstance(piece.fd, int):
+        return piece.fd.read_range(piece.offset, piece.nbytes)
+    if piece.fd == ZEROS_FD:
+        return bytes(piece.nbytes)
+    buffer = bytearray(piece.nbytes)
+    view, done = memoryview(buffer), 0
+    while done < piece.nbytes:
+        n = os.preadv(piece.fd, [view[done:]], piece.offset + done)
+        if not n:
+            raise ConversionError(f"{piece.path}: file ends before byte {piece.offset + piece.nbytes}")
+        done += n
+    return buffer
+
+
+def pwrite_all(fd: int, data, offset: int) -> int:
+    """Write all of ``data`` (bytes-like) at ``offset`` of ``fd``; returns its length."""
+    view, done = memoryview(data).cast("B"), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
+
+
 def _copy_range(piece: Piece, dst_fd: int, dst_offset: int, dst_path: str) -> None:
+    if not isinstance(piece.fd, int):
+        piece.fd.write_range(piece.offset, piece.nbytes, dst_fd, dst_offset)
+        return
     if piece.fd == ZEROS_FD:
         _write_zeros(piece.nbytes, dst_fd, dst_offset)
         return

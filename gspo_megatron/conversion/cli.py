@@ -26,6 +26,14 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def parse_block(text: str) -> tuple[int, int]:
+    """'128x128' -> (128, 128): the FP8 block shape of --fp8-block."""
+    rows, sep, cols = text.lower().partition("x")
+    if not sep or not rows.isdigit() or not cols.isdigit() or int(rows) < 1 or int(cols) < 1:
+        raise argparse.ArgumentTypeError(f"not a block shape: {text!r} (e.g. 128x128)")
+    return int(rows), int(cols)
+
+
 def _layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
@@ -61,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-bytes", type=parse_bytes, default=None,
                    help="cap per safetensors file, e.g. 5GB (default: the template's sharding, else 5GB)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast (default: as stored)")
+    p.add_argument("--fp8-block", type=parse_block, default=None, metavar="ROWSxCOLS",
+                   help="write the projection weights as block-scaled FP8 (e.g. 128x128, as DeepSeek-V3's release)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -96,7 +106,7 @@ def _run(args: argparse.Namespace) -> int:
         out = offline.megatron_to_hf(args.megatron_dir, args.out, args.hf_template, args.max_shard_bytes,
                                      offline.DTYPE_FLAGS[args.dtype] if args.dtype else None,
                                      overwrite=args.overwrite, progress=not args.no_progress,
-                                     weights_only=args.weights_only)
+                                     weights_only=args.weights_only, fp8_block=args.fp8_block)
         print(f"wrote {out}")
         return 0
     from gspo_megatron.conversion import check

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from gspo_megatron.conversion.byte_ranges import Piece, Segment, contiguous_span, copy_pieces
+from gspo_megatron.conversion.byte_ranges import Piece, Segment, contiguous_span, copy_pieces, pwrite_all
 from gspo_megatron.conversion.errors import ConversionError, name_list
 from gspo_megatron.conversion.safetensors_io import WRITEBACK_BYTES, BackgroundWriteback
 from gspo_megatron.conversion.tables import VOCAB_PARAMS
@@ -136,19 +136,24 @@ def _meta_model(config: ModelConfig, vocab_rows: int):
                         rotary_percent=config.rotary_percent)
 
 
-def checkpoint_layout(config: ModelConfig, padded_vocab: int | None = None) -> CheckpointLayout:
+def checkpoint_layout(config: ModelConfig, padded_vocab: int | None = None,
+                      per_layer: bool | None = None) -> CheckpointLayout:
     """Key, global shape and offsets of every canonical parameter, as Megatron's sharded_state_dict
     names them (needs ``single_process_megatron``). With ``padded_vocab`` (``ModelConfig.padded_vocab_size``
     of a TP size) the vocabulary tensors' global shape has that many rows, the last ones padding;
-    without, the vocabulary is unpadded (enough to read: a reader requests the canonical rows only)."""
+    without, the vocabulary is unpadded (enough to read: a reader requests the canonical rows only).
+    ``per_layer``: the layer keying of the checkpoint to read (``sharding.layer_keys``; None: the config's)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+
+    from gspo_megatron.megatron.sharding import layer_keys
 
     vocab_rows = config.vocab_size if padded_vocab is None else padded_vocab
     if vocab_rows < config.vocab_size:
         raise ValueError(f"checkpoint_layout: padded_vocab={vocab_rows} < vocab_size={config.vocab_size}")
     model = _meta_model(config, vocab_rows)
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # buffers: the routers' expert bias
-    state = model.sharded_state_dict(prefix=PREFIX)
+    with layer_keys(model, per_layer):
+        state = model.sharded_state_dict(prefix=PREFIX)
     apply_factories(state)  # SwiGLU fc1 becomes its gate and up halves (two chunks of one key)
     chunks: dict[str, Chunk] = {}
     objects: dict[str, object] = {}
@@ -255,7 +260,7 @@ class _RecordWriter(dcp.FileSystemWriter):
         for item in sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO):  # objects first, as DCP
             start = position
             if item.type == WriteItemType.BYTE_IO:
-                position += _pwrite_all(fd, self._objects[item.index.fqn], position)
+                position += pwrite_all(fd, self._objects[item.index.fqn], position)
             else:
                 source = planner.chunks[item.index]
                 if sum(p.nbytes for p in source.pieces) != source.nbytes:
@@ -263,9 +268,9 @@ class _RecordWriter(dcp.FileSystemWriter):
                                           f"{sum(p.nbytes for p in source.pieces)}, the model needs "
                                           f"{list(source.chunk.stored_sizes)} {source.dtype} ({source.nbytes} bytes)")
                 prefix, suffix = record_template(source.chunk.stored_sizes, source.dtype)
-                position += _pwrite_all(fd, prefix, position)
+                position += pwrite_all(fd, prefix, position)
                 position += copy_pieces(source.pieces, fd, position, str(path))
-                position += _pwrite_all(fd, suffix, position)
+                position += pwrite_all(fd, suffix, position)
                 self._on_write(source.nbytes)
                 unflushed += source.nbytes
             results.append(WriteResult(index=item.index, size_in_bytes=position - start,
@@ -274,13 +279,6 @@ class _RecordWriter(dcp.FileSystemWriter):
                 writeback.kick(fd)
                 unflushed = 0
         return results
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> int:
-    view, done = memoryview(data), 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-    return done
 
 
 def _check_coverage(metadata) -> None:

@@ -30,14 +30,19 @@ import torch
 from gspo_megatron.conversion import dcp_io
 from gspo_megatron.conversion.byte_ranges import canonical_pieces, hf_pieces
 from gspo_megatron.conversion.errors import ConversionError, name_list
-from gspo_megatron.conversion.safetensors_io import (INDEX_NAME, BackgroundWriteback, HFCheckpoint,
+from gspo_megatron.conversion.safetensors_io import (INDEX_NAME, SINGLE_NAME, BackgroundWriteback, HFCheckpoint,
                                                      SafetensorsWriter, TensorSpec, plan_shards, write_index)
+from gspo_megatron.conversion import fp8
+from gspo_megatron.conversion.release_formats import ReleaseView, exported_as_fp8, fp8_quantization_config
 from gspo_megatron.conversion.tables import Entry, expand, left_out, validate_layout
 from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.megatron.sharding import stored_layer_keying
+from gspo_megatron.models import registry
 from gspo_megatron.processes import pid_running
 
 MODEL_CONFIG_NAME = "model_config.json"
 HF_FILES_DIR = "hf"  # inside a converted Megatron checkpoint: the HF config/tokenizer files it came with
+MTP_DIR = "mtp"  # inside a converted Megatron checkpoint: the multi-token-prediction layers, kept aside
 READ_BATCH_BYTES = 64 * 2**20  # canonical tensors read per DCP pass (bounds memory)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -164,7 +169,7 @@ def _hf_specs(entry: Entry, chunk: dcp_io.Chunk, dtype: torch.dtype) -> list[Ten
 
 # ---- HF -> Megatron ------------------------------------------------------------------------------
 
-def _check_hf_tensors(hf: HFCheckpoint, entries: list[Entry], layout: dcp_io.CheckpointLayout,
+def _check_hf_tensors(hf: ReleaseView, entries: list[Entry], layout: dcp_io.CheckpointLayout,
                       config: ModelConfig) -> dict[str, torch.dtype]:
     """Names, shapes and dtypes of the HF tensors against the table; returns each entry's dtype."""
     expected = {h for e in entries for h in e.hf}
@@ -225,8 +230,10 @@ def _hf_to_megatron(hf_dir: Path, out: Path, tensor_parallel: int, pipeline_para
     with dcp_io.single_process_megatron():
         layout = dcp_io.checkpoint_layout(config, padded_vocab)
     _check_table_matches_model(entries, layout, config)
-    with HFCheckpoint(hf_dir) as hf:
+    with HFCheckpoint(hf_dir) as stored:
+        hf = ReleaseView(stored, config, json.loads((hf_dir / "config.json").read_text()))
         dtypes = _check_hf_tensors(hf, entries, layout, config)
+        mtp = [name for name in hf.tensors if left_out(config, name)]
         # read each source file front to back
         ordered = sorted(entries, key=lambda e: hf.location(e.hf[0]))
         planned = [_planned_chunk(hf, e, layout.chunks[e.megatron], dtypes[e.megatron]) for e in ordered]
@@ -234,9 +241,12 @@ def _hf_to_megatron(hf_dir: Path, out: Path, tensor_parallel: int, pipeline_para
         with atomic_output(out, overwrite, (hf_dir,)) as tmp:
             with progress_bar(total, "hf -> megatron", progress) as bar:
                 dcp_io.write_checkpoint(tmp, planned, layout.objects, bar.update)
+                if mtp:
+                    _keep_mtp_aside(hf, mtp, tmp / MTP_DIR, bar.update)
             _write_json(tmp / MODEL_CONFIG_NAME, dataclasses.asdict(config))
             _write_json(tmp / "gspo_meta.json", {"model_config": dataclasses.asdict(config), "kind": "hf-to-megatron",
-                                                 "source": str(hf_dir.resolve()),
+                                                 "source": str(hf_dir.resolve()), "source_formats": hf.formats,
+                                                 "mtp_tensors": len(mtp),
                                                  **dcp_io.vocab_padding_meta(config, tensor_parallel)})
             copy_hf_side_files(hf_dir, tmp / HF_FILES_DIR)
             if hf.index is not None:  # the shard assignment, reused on the way back
@@ -244,7 +254,34 @@ def _hf_to_megatron(hf_dir: Path, out: Path, tensor_parallel: int, pipeline_para
     return out
 
 
-def _planned_chunk(hf: HFCheckpoint, entry: Entry, chunk: dcp_io.Chunk, dtype: torch.dtype) -> dcp_io.PlannedChunk:
+def _keep_mtp_aside(hf: ReleaseView, names: list[str], folder: Path, on_write) -> None:
+    """The multi-token-prediction layers as they were (dequantized, per expert), in one safetensors file:
+    Megatron's model does not hold them (docs/conversion.md), ``megatron_to_hf`` puts them back."""
+    folder.mkdir()
+    names = sorted(names, key=hf.location)
+    with BackgroundWriteback() as writeback:
+        writer = SafetensorsWriter(folder / SINGLE_NAME, [hf.tensors[n].spec for n in names], writeback=writeback)
+        try:
+            for name in names:
+                writer.copy(name, [hf.piece(name)])
+                on_write(hf.tensors[name].spec.nbytes)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+
+
+def _mtp_source(megatron_dir: Path, template: Path | None, config: ModelConfig) -> Path | None:
+    """Where the MTP layers of an export come from: the checkpoint's own ``mtp/`` (a converted one), else
+    the template when it holds weights (the original HF folder, for a checkpoint saved by training)."""
+    if (megatron_dir / MTP_DIR).is_dir():
+        return megatron_dir / MTP_DIR
+    if template is not None and any(template.glob("*.safetensors")) and registry.FAMILIES[config.architecture].mtp_layers:
+        return template
+    return None
+
+
+def _planned_chunk(hf: ReleaseView, entry: Entry, chunk: dcp_io.Chunk, dtype: torch.dtype) -> dcp_io.PlannedChunk:
     """The chunk's bytes as byte ranges of the HF files (what ``to_megatron`` would compute, as rows)."""
     pieces = canonical_pieces(entry.transform.row_blocks(chunk.shape), chunk.shape, dtype.itemsize,
                               [hf.piece(name) for name in entry.hf], chunk.padding_rows)
@@ -351,10 +388,11 @@ def _special_token_ids(tokenizer_dir: Path) -> dict[str, int]:
 
 
 def _write_hf_config(template: Path | None, config: ModelConfig, dest: Path, dtype: torch.dtype | None,
-                     stored_dtype: torch.dtype, tokenizer: Path | None = None) -> None:
-    """The template's files (config.json re-dtyped when casting), else a config.json and a
-    generation_config.json made from the model config with the tokenizer's eos / pad / bos ids;
-    ``tokenizer``: the folder whose tokenizer files are copied when the template has none."""
+                     stored_dtype: torch.dtype, tokenizer: Path | None = None,
+                     fp8_block: tuple[int, int] | None = None) -> None:
+    """The template's files (config.json re-dtyped when casting or when the template was FP8), else a
+    config.json and a generation_config.json made from the model config with the tokenizer's eos / pad / bos
+    ids; ``tokenizer``: the folder whose tokenizer files are copied when the template has none."""
     if tokenizer is not None and tokenizer != template:
         dest.mkdir(parents=True, exist_ok=True)
         for name in TOKENIZER_FILES:
@@ -362,9 +400,10 @@ def _write_hf_config(template: Path | None, config: ModelConfig, dest: Path, dty
                 shutil.copyfile(tokenizer / name, dest / name)
     if template is not None:
         copy_hf_side_files(template, dest)
-        if dtype is None:
-            return
         data = json.loads((dest / "config.json").read_text())
+        quantized = data.pop("quantization_config", None) is not None  # what is written is dequantized
+        if dtype is None and not quantized and fp8_block is None:
+            return
     else:
         import transformers
 
@@ -377,13 +416,15 @@ def _write_hf_config(template: Path | None, config: ModelConfig, dest: Path, dty
         generation.save_pretrained(dest)
     key = "torch_dtype" if "torch_dtype" in data and "dtype" not in data else "dtype"
     data[key] = str(dtype or stored_dtype).removeprefix("torch.")
+    if fp8_block is not None:
+        data["quantization_config"] = fp8_quantization_config(fp8_block)
     _write_json(dest / "config.json", data)
 
 
 def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, hf_template: str | Path | None = None,
                    max_shard_bytes: int | None = None, dtype: torch.dtype | None = None,
                    overwrite: bool = False, progress: bool = True, read_batch_bytes: int = READ_BATCH_BYTES,
-                   weights_only: bool = False) -> Path:
+                   weights_only: bool = False, fp8_block: tuple[int, int] | None = None) -> Path:
     """Convert a torch_dist checkpoint (any layout it was saved at) into a Hugging Face folder.
 
     The folder is complete (config, generation config with eos / pad ids, tokenizer): the files come from
@@ -394,23 +435,35 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, hf_template: s
     Without ``max_shard_bytes`` the template's shard assignment is reused when its index names the same
     tensors (so a round trip reproduces the index), else shards are capped at 5 GB; with it, shards are
     capped at ``max_shard_bytes``. The vocabulary is unpadded; ``dtype`` (default: as stored) casts.
+    ``fp8_block``: write the projection weights as block-scaled FP8 in blocks of this shape, as the
+    DeepSeek-V3 release does (``release_formats.exported_as_fp8``), for FP8 rollout servers.
     """
     with one_intra_op_thread():
         return _megatron_to_hf(Path(megatron_dir), Path(out_dir), Path(hf_template) if hf_template else None,
-                               max_shard_bytes, dtype, overwrite, progress, read_batch_bytes, weights_only)
+                               max_shard_bytes, dtype, overwrite, progress, read_batch_bytes, weights_only,
+                               fp8_block)
 
 
 def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_shard_bytes: int | None,
                     dtype: torch.dtype | None, overwrite: bool, progress: bool, read_batch_bytes: int,
-                    weights_only: bool = False) -> Path:
+                    weights_only: bool, fp8_block: tuple[int, int] | None) -> Path:
     config, template = export_config(megatron_dir, template)
     inputs = (megatron_dir,) + ((template,) if template else ())
     check_output(out, overwrite, inputs)
     entries = expand(config)
+    with dcp_io.CheckpointReader(megatron_dir) as probe:  # per-layer or stacked keys, as it was saved
+        per_layer = stored_layer_keying(probe.tensor_keys())
     with dcp_io.single_process_megatron():
-        layout = dcp_io.checkpoint_layout(config)
+        layout = dcp_io.checkpoint_layout(config, per_layer=per_layer)
     _check_table_matches_model(entries, layout, config)
-    with dcp_io.CheckpointReader(megatron_dir) as reader:
+    mtp_dir = _mtp_source(megatron_dir, template, config)
+    with dcp_io.CheckpointReader(megatron_dir) as reader, contextlib.ExitStack() as stack:
+        mtp_view, mtp = None, []
+        if mtp_dir is not None:
+            mtp_stored = stack.enter_context(HFCheckpoint(mtp_dir))
+            mtp_config = mtp_dir / "config.json"
+            mtp_view = ReleaseView(mtp_stored, config, json.loads(mtp_config.read_text()) if mtp_config.is_file() else None)
+            mtp = sorted((n for n in mtp_view.tensors if left_out(config, n)), key=mtp_view.location)
         requests = {r.name: r for r in dcp_io.requests_for(layout, reader, config.vocab_size)}
         tokenizer, why = tokenizer_source(megatron_dir, template)
         if tokenizer is None and not weights_only:
@@ -423,6 +476,10 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
         items = reader.plan(list(requests.values()))
         specs = [spec for e in entries
                  for spec in _hf_specs(e, layout.chunks[e.megatron], dtype or requests[e.megatron].dtype)]
+        specs += [dataclasses.replace(mtp_view.tensors[n].spec, dtype=dtype or mtp_view.tensors[n].spec.dtype)
+                  for n in mtp]
+        output = FP8Output(fp8_block, dtype)
+        specs = output.specs(specs)
         template_index = None
         if max_shard_bytes is None and template is not None and (template / INDEX_NAME).is_file():
             template_index = json.loads((template / INDEX_NAME).read_text())
@@ -435,11 +492,12 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
                     _ShardWriters(tmp, plan, bar.update) as shards:
                 loaded = []
                 for request in order:
-                    segments = reader.segments(request, items[request.name]) if dtype in (None, request.dtype) else None
+                    entry = by_name[request.name]
+                    copied = dtype in (None, request.dtype) and not any(output.quantized(n, None) for n in entry.hf)
+                    segments = reader.segments(request, items[request.name]) if copied else None
                     if segments is None:
                         loaded.append(request)
                         continue
-                    entry = by_name[request.name]
                     blocks = entry.transform.row_blocks(request.shape)
                     for name, pieces in zip(entry.hf, hf_pieces(blocks, request.shape, request.dtype.itemsize,
                                                                  len(entry.hf), segments)):
@@ -449,12 +507,49 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
                     for request in batch:
                         entry = by_name[request.name]
                         for name, tensor in zip(entry.hf, entry.transform.to_hf(tensors.pop(request.name))):
-                            shards.write(name, tensor.to(dtype) if dtype is not None else tensor)
+                            output.write(shards, name, tensor)
+                for name in mtp:  # put back as they were kept (or cast, or quantized)
+                    if dtype in (None, mtp_view.tensors[name].spec.dtype) and not output.quantized(name, None):
+                        shards.copy(name, [mtp_view.piece(name)])
+                    else:
+                        output.write(shards, name, mtp_view.read(name))
             if plan.index is not None:
                 write_index(tmp, plan.index)
             _write_hf_config(template, config, tmp, dtype, next(iter(requests.values())).dtype,
-                             None if weights_only else tokenizer)
+                             None if weights_only else tokenizer, fp8_block)
     return out
+
+
+class FP8Output:
+    """What the export writes for each HF tensor: as it is (cast to ``dtype`` if given), or, with
+    ``block``, the projection weights as block-scaled FP8 plus their ``_scale_inv`` (``fp8.quantize``)."""
+
+    def __init__(self, block: tuple[int, int] | None, dtype: torch.dtype | None):
+        self.block, self.dtype = block, dtype
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    def quantized(self, name: str, shape: tuple[int, ...] | None) -> bool:
+        shape = self._shapes.get(name) if shape is None else shape
+        return self.block is not None and shape is not None and exported_as_fp8(name, shape)
+
+    def specs(self, specs: list[TensorSpec]) -> list[TensorSpec]:
+        out = []
+        for spec in specs:
+            self._shapes[spec.name] = spec.shape
+            if not self.quantized(spec.name, spec.shape):
+                out.append(spec)
+                continue
+            out += [TensorSpec(spec.name, spec.shape, fp8.FP8),
+                    TensorSpec(spec.name + fp8.SCALE_SUFFIX, fp8.scale_shape(spec.shape, self.block), torch.float32)]
+        return out
+
+    def write(self, shards: "_ShardWriters", name: str, tensor: torch.Tensor) -> None:
+        if not self.quantized(name, tuple(tensor.shape)):
+            shards.write(name, tensor.to(self.dtype) if self.dtype is not None else tensor)
+            return
+        q, scale = fp8.quantize(tensor, self.block)
+        shards.write(name, q)
+        shards.write(name + fp8.SCALE_SUFFIX, scale)
 
 
 class _ShardWriters:

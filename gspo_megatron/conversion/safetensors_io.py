@@ -194,7 +194,7 @@ class BackgroundWriteback:
         self.close(raise_error=exc_type is None)
 
 
-def _read_exact(fd: int, path: Path, offset: int, out: torch.Tensor) -> None:
+def read_exact(fd: int, path: Path, offset: int, out: torch.Tensor) -> None:
     """Positioned reads (no shared file position), so several threads may read one file."""
     view = memoryview(out.numpy()).cast("B")
     done = 0
@@ -264,8 +264,13 @@ class HFCheckpoint:
     def read(self, name: str) -> torch.Tensor:
         stored = self.tensors[name]
         raw = torch.empty(stored.spec.nbytes, dtype=torch.uint8)
-        _read_exact(self._fds[stored.path], stored.path, stored.offset, raw)
+        read_exact(self._fds[stored.path], stored.path, stored.offset, raw)
         return raw.view(stored.spec.dtype).reshape(stored.spec.shape)
+
+    @property
+    def fds(self) -> dict[Path, int]:
+        """The open file of each shard (read-only, closed with the checkpoint)."""
+        return self._fds
 
     def piece(self, name: str) -> Piece:
         """The tensor's bytes in its file, for copying them without reading them here."""

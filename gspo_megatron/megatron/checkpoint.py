@@ -193,7 +193,18 @@ def save_model(model: torch.nn.Module, directory: str | Path, common: dict | Non
     return save(model_sharded_state_dict(model), directory, common, overwrite)
 
 
-def load_model(model: torch.nn.Module, directory: str | Path) -> None:
+def per_layer_keys(directory: str | Path) -> bool | None:
+    """The layer keying of a torch_dist checkpoint (``sharding.stored_layer_keying``), from DCP's .metadata."""
+    import torch.distributed.checkpoint as dcp
+
     from gspo_megatron.megatron import sharding
 
-    sharding.load_module_state(model, load(model_sharded_state_dict(model), directory))
+    return sharding.stored_layer_keying(dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
+
+
+def load_model(model: torch.nn.Module, directory: str | Path) -> None:
+    """The model's weights from ``directory``, whichever layer keying it was saved with."""
+    from gspo_megatron.megatron import sharding
+
+    state = sharding.sharded_state_dict(model, prefix="model.", per_layer=per_layer_keys(directory))
+    sharding.load_module_state(model, load(state, directory))

@@ -111,8 +111,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtyp
                                             if model.moe_router_topk_scaling_factor != 1.0 else None),
             moe_router_num_groups=model.moe_router_num_groups if model.group_limited else None,
             moe_router_group_topk=model.moe_router_group_topk if model.group_limited else None,
-            # a list makes Megatron key every layer separately in checkpoints: only when layers differ
-            moe_layer_freq=model.moe_layer_pattern() if model.first_dense_layers else 1,
+            moe_layer_freq=model.moe_layer_freq,  # a list keys every layer separately in checkpoints
             moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=model.moe_aux_loss_coeff,
             # alltoall creates a CUDA stream in its constructor; allgather is exact and fine at small scale.

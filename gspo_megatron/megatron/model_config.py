@@ -177,6 +177,16 @@ class ModelConfig:
         """Megatron's ``moe_layer_freq`` as a 0/1 list over the layers."""
         return [int(self.is_moe_layer(layer)) for layer in range(self.num_layers)]
 
+    @property
+    def moe_layer_freq(self) -> int | list[int]:
+        """Megatron's ``moe_layer_freq`` as Megatron-Bridge and Megatron-LM set it for this family: a 0/1 list
+        when layers differ or the family is configured with one (``Family.moe_layer_list``: DeepSeek-V3,
+        GLM-4.5, even when every layer is MoE), else 1. A list makes Megatron key every layer separately in
+        checkpoints, an int stacks the layers under one key (``sharding.layer_keys`` loads either)."""
+        if self.first_dense_layers or registry.FAMILIES[self.architecture].moe_layer_list:
+            return self.moe_layer_pattern()
+        return 1
+
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
         """Rows of the embedding/output matrices, as Megatron-LM pads them: the vocabulary rounded up to
         a multiple of ``make_vocab_size_divisible_by * TP`` (every TP rank holds the same number of rows,

@@ -21,6 +21,7 @@ neither saved nor required (``sharded_state_dict`` / ``load_module_state``). Meg
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from typing import Iterator
@@ -90,7 +91,8 @@ def _spec_canonical(local_name: str, gpt: torch.nn.Module) -> str:
 
     config = gpt.config
     num_local = (config.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size()
-    return te_to_canonical(canonical_name(local_name, gpt), ps.get_expert_model_parallel_rank(), num_local)
+    return te_to_canonical(canonical_name(local_name, gpt), ps.get_expert_model_parallel_rank(), num_local,
+                           mla=config.multi_latent_attention)
 
 
 def shard_infos(model: torch.nn.Module) -> Iterator[tuple[ShardInfo, torch.nn.Parameter]]:
@@ -234,9 +236,47 @@ def drop_extra_state(state: dict) -> dict:
             if not _is_extra_state(k)}
 
 
-def sharded_state_dict(model: torch.nn.Module, prefix: str = "model.") -> dict:
-    """The model's sharded state dict as either spec loads it: no ``_extra_state`` objects."""
-    return drop_extra_state(_unwrap(model).sharded_state_dict(prefix=prefix))
+def sharded_state_dict(model: torch.nn.Module, prefix: str = "model.", per_layer: bool | None = None) -> dict:
+    """The model's sharded state dict as either spec loads it: no ``_extra_state`` objects. ``per_layer``:
+    the layer keying of the checkpoint it is for (``layer_keys``); None keeps the model's own."""
+    with layer_keys(model, per_layer):
+        return drop_extra_state(_unwrap(model).sharded_state_dict(prefix=prefix))
+
+
+_PER_LAYER_KEY = re.compile(r"(^|\.)decoder\.layers\.\d+\.")
+_STACKED_KEY = re.compile(r"(^|\.)decoder\.layers\.[a-z_]")
+
+
+def stored_layer_keying(keys) -> bool | None:
+    """Whether checkpoint ``keys`` hold the decoder's layers per layer (``decoder.layers.3.mlp...``: True) or
+    stacked under one key (``decoder.layers.mlp...``: False); None when they hold no decoder layer."""
+    per_layer = any(_PER_LAYER_KEY.search(k) for k in keys)
+    stacked = any(_STACKED_KEY.search(k) for k in keys)
+    if per_layer and stacked:
+        raise ValueError("checkpoint keys mix per-layer and stacked decoder layers")
+    return True if per_layer else False if stacked else None
+
+
+@contextlib.contextmanager
+def layer_keys(model: torch.nn.Module, per_layer: bool | None) -> Iterator[None]:
+    """Megatron keys a decoder's MoE layers per layer when ``moe_layer_freq`` is a list (Megatron-Bridge's and
+    Megatron-LM's DeepSeek-V3 / GLM-4.5) and stacked when it is an int; the layers themselves are the same.
+    Inside, the model's sharded state dict uses the keying ``per_layer`` asks for (None: its own), so a
+    checkpoint written with either keying loads into a model configured either way."""
+    config = _unwrap(model).config
+    freq = config.moe_layer_freq
+    if per_layer is None or not config.num_moe_experts or isinstance(freq, list) == per_layer:
+        yield
+        return
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
+    if not per_layer and not all(pattern):
+        raise ValueError(f"a checkpoint with stacked layer keys cannot hold this model: its layers are not all MoE "
+                         f"(moe_layer_freq={freq})")
+    config.moe_layer_freq = pattern if per_layer else 1
+    try:
+        yield
+    finally:
+        config.moe_layer_freq = freq
 
 
 def load_module_state(model: torch.nn.Module, state: dict, prefix: str = "model.") -> None:

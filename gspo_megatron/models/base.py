@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-from gspo_megatron.models.weights import Rule
+from gspo_megatron.models.weights import Rule, fused_experts
 from gspo_megatron.typed_config import ConfigError
 
 _REQUIRED = object()
@@ -87,10 +87,19 @@ class Family:
     mtp_layers: bool = False
     qkv_bias: bool = False
     qk_layernorm: bool = False
+    # Megatron-Bridge and Megatron-LM pass moe_layer_freq as a list for this family (per-layer checkpoint keys)
+    moe_layer_list: bool = False
 
     @property
     def trainable(self) -> bool:
         return self.weights is not None
+
+    @property
+    def stored_forms(self) -> tuple:
+        """Other ways releases store this family's HF tensors (``weights.Stacked`` / ``Renamed``): the fused
+        experts of transformers 5, for every MoE family."""
+        names = self.engine.expert_names
+        return fused_experts(names.block, names.gate, names.up, names.down) if names is not None else ()
 
     def config_kwargs(self, hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         """``ModelConfig`` keyword arguments from an HF config dict (not yet validated)."""

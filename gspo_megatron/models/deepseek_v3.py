@@ -140,4 +140,5 @@ FAMILY = Family(
              "topk_method": ["noaux_tc"], "moe_layer_freq": [1]},
     rope_types=("default", "yarn"),
     mtp_layers=True,
+    moe_layer_list=True,
 )

@@ -44,4 +44,5 @@ FAMILY = Family(
     must_be={"n_group": [1], "topk_group": [1]},
     partial_rotary=True,
     mtp_layers=True,
+    moe_layer_list=True,
 )

@@ -81,3 +81,36 @@ def shared_expert(block: str, gate: str | None = None) -> tuple[Rule, ...]:
     if gate is not None:
         rows += (Rule(L + "mlp.shared_experts.gate_weight", (H + gate + ".weight",), layers="moe"),)
     return rows
+
+
+# ---- how releases store the HF tensors above -----------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """One stored tensor [experts, rows of every part, cols] holding per-expert HF tensors: expert e's
+    matrix is ``stored[e]``, whose rows are ``parts`` one after another in equal blocks (transformers 5's
+    fused experts: ``gate_up_proj`` [E, 2F, h] = [gate; up] per expert, ``down_proj`` [E, h, F])."""
+
+    stored: str  # pattern with {layer}
+    parts: tuple[str, ...]  # per-expert HF patterns with {layer} and {expert}
+
+
+@dataclasses.dataclass(frozen=True)
+class Renamed:
+    """A stored tensor under another name than the table's (``stored`` -> ``name``, patterns with {layer})."""
+
+    stored: str
+    name: str
+
+
+def fused_experts(block: str, gate: str, up: str, down: str) -> tuple[Stacked | Renamed, ...]:
+    """The fused form of ``routed_experts(block, gate, up, down)`` that transformers 5 holds in memory and
+    writes with ``save_pretrained(save_original_format=False)``: the MoE block is always ``mlp`` there."""
+    x = H + block + ".experts.{expert}."
+    forms: tuple[Stacked | Renamed, ...] = (
+        Stacked(H + "mlp.experts.gate_up_proj", (x + gate + ".weight", x + up + ".weight")),
+        Stacked(H + "mlp.experts.down_proj", (x + down + ".weight",)),
+    )
+    if block != "mlp":
+        forms += (Renamed(H + "mlp.gate.weight", H + block + ".gate.weight"),)
+    return forms

@@ -679,7 +679,8 @@ class Trainer:
         if not restore_progress:
             from gspo_megatron.megatron import sharding
 
-            state = ckpt.load({"model": sharding.sharded_state_dict(self.policy.module, prefix="model.")}, path)
+            state = ckpt.load({"model": sharding.sharded_state_dict(self.policy.module, prefix="model.",
+                                                                    per_layer=ckpt.per_layer_keys(path))}, path)
             sharding.load_module_state(self.policy.module, state["model"], prefix="model.")
             if self.reference is not None:
                 self._copy_weights(self.policy, self.reference)

@@ -85,9 +85,11 @@ def family_config(name: str) -> ModelConfig:
 
 
 def make_hf_dir(name: str, directory: Path, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None,
-                seed: int = 0) -> Path:
+                seed: int = 0, fused_experts: bool = False) -> Path:
     """save_pretrained of a random ``name`` model: matrices ~ N(0, 0.1^2), norms 1 + 0.1 N(0, 1), so that
-    logits and routing vary visibly; plus stand-in tokenizer files (copied verbatim by the converters)."""
+    logits and routing vary visibly; plus stand-in tokenizer files (copied verbatim by the converters).
+    ``fused_experts``: transformers 5's in-memory form (``save_original_format=False``: 3-D
+    ``mlp.experts.gate_up_proj`` / ``down_proj``) instead of the hub's per-expert tensors."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_config(family_config(name).to_hf_config())
@@ -100,7 +102,7 @@ def make_hf_dir(name: str, directory: Path, dtype: torch.dtype = torch.float32, 
             param.copy_(1.0 + 0.1 * noise if "norm" in pname else 0.1 * noise)
     model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(directory, **kwargs)
+    model.save_pretrained(directory, save_original_format=not fused_experts, **kwargs)
     for file, text in TOKENIZER_FILES.items():
         (directory / file).write_text(text)
     return directory

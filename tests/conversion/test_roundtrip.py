@@ -189,11 +189,13 @@ def test_round_trip_without_copy_file_range(converted, tmp_path, monkeypatch, di
         assert (back / file).read_bytes() == (hf / file).read_bytes()
 
 
-def test_multi_token_prediction_layer_is_left_out(tmp_path):
+def test_multi_token_prediction_layer_is_kept_aside_and_restored(tmp_path):
     """A GLM-4.5 checkpoint holds its MTP layer as model.layers.<num_layers>.* (transformers skips it): the
-    conversion leaves it out and converts back every other tensor unchanged; in a family without MTP
-    layers the same tensor is an error."""
-    import json
+    conversion keeps it aside in the Megatron checkpoint's mtp/ and the way back restores it, so the round trip
+    is byte-identical, index included; without mtp/ (a checkpoint saved by training) it comes from the
+    template's weights, and with neither the rest is written without it. In a family without MTP layers
+    the same tensor is an error."""
+    import shutil
 
     from safetensors.torch import save_file
 
@@ -207,13 +209,25 @@ def test_multi_token_prediction_layer_is_left_out(tmp_path):
         save_file(mtp, hf / "mtp.safetensors", metadata={"format": "pt"})
         index = index_of(hf)
         index["weight_map"].update({key: "mtp.safetensors" for key in mtp})
-        (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+        index["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in mtp.values())
+        (hf / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         if name == "qwen3_moe":
             with pytest.raises(ConversionError, match=f"unexpected tensors.*model.layers.{layer}.eh_proj.weight"):
                 offline.hf_to_megatron(hf, tmp_path / f"{name}-meg", progress=False)
             continue
         meg = offline.hf_to_megatron(hf, tmp_path / f"{name}-meg", progress=False)
-        back = read_all(offline.megatron_to_hf(meg, tmp_path / f"{name}-back", hf_template=hf, progress=False))
+        assert set(read_all(meg / offline.MTP_DIR)) == set(mtp)
+        assert json.loads((meg / "gspo_meta.json").read_text())["mtp_tensors"] == 2
+        back = offline.megatron_to_hf(meg, tmp_path / f"{name}-back", progress=False)
+        assert weight_files(back) == weight_files(hf)
+        assert index_of(back)["weight_map"] == index["weight_map"]
+        assert index_of(back)["metadata"]["total_size"] == index["metadata"]["total_size"]
+        for file in weight_files(hf):
+            assert (back / file).read_bytes() == (hf / file).read_bytes(), file
+        shutil.rmtree(meg / offline.MTP_DIR)
+        from_template = read_all(offline.megatron_to_hf(meg, tmp_path / f"{name}-t", hf_template=hf, progress=False))
         theirs = read_all(hf)
-        assert set(theirs) - set(back) == set(mtp)
-        assert all(torch.equal(back[key], theirs[key]) for key in back)
+        assert from_template.keys() == theirs.keys()
+        assert all(torch.equal(from_template[key], theirs[key]) for key in theirs)
+        without = read_all(offline.megatron_to_hf(meg, tmp_path / f"{name}-no-mtp", progress=False))
+        assert set(theirs) - set(without) == set(mtp)

@@ -115,6 +115,73 @@ def test_te_spec_names_translate_both_ways_with_expert_renumbering():
         assert te_to_canonical(te_name, rank or 0, 4) == name
 
 
+class _StandInTE:
+    """Megatron's TE backend with marker classes in place of Transformer Engine's modules (not installed on
+    CPU): what Megatron's own spec function builds with it names the TE model's parameters."""
+
+    def __getattr__(self, name):
+        if name == "fuse_layernorm_and_linear":
+            return lambda: True
+        if name == "grouped_mlp_modules":
+            return lambda *args, **kwargs: (type("grouped_mlp", (), {}), None)
+        return lambda *args, **kwargs: type(name, (), {})
+
+
+_PARAMS = {"linear": ("weight",), "column_parallel_linear": ("weight",), "row_parallel_linear": ("weight",),
+           "column_parallel_layer_norm_linear": ("weight", "layer_norm_weight"), "layer_norm": ("weight",)}
+
+
+def _te_spec_params(spec, prefix=""):
+    """Parameter names of the attention, norms and dense MLP of a layer spec built with ``_StandInTE``."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    out = set()
+    module = spec.module if isinstance(spec, ModuleSpec) else spec
+    for param in _PARAMS.get(getattr(module, "__name__", ""), ()):
+        out.add(prefix + param)
+    submodules = getattr(spec, "submodules", None) if isinstance(spec, ModuleSpec) else None
+    for field in dataclasses.fields(submodules) if dataclasses.is_dataclass(submodules) else ():
+        if field.name != "experts":  # routed experts: their own rows (expert renumbering), tested above
+            out |= _te_spec_params(getattr(submodules, field.name), f"{prefix}{field.name}.")
+    return out
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_plain_q", "glm4_moe"])
+def test_te_names_are_the_parameters_of_megatrons_te_spec(monkeypatch, name):
+    """Megatron-Core 0.16.1's TE layer spec (multi-latent attention for DeepSeek-V3: the input norm a module of
+    its own, the q and kv latent norms fused into linear_q_up_proj / linear_kv_up_proj; GQA: the input norm
+    fused into linear_qkv): every canonical attention / norm / dense-MLP name of a layer translates to one of
+    its parameters, each parameter is reached once, and the translation comes back."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from gspo_megatron.conversion.tables import expand
+
+    monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", _StandInTE, raising=False)
+    monkeypatch.setattr(gpt_layer_specs, "HAVE_TE", True, raising=False)
+    config = family_config(name)
+    for layer in (0, config.num_layers - 1):
+        moe = config.is_moe_layer(layer)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_experts if moe else None, moe_grouped_gemm=True, qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=config.is_mla)
+        expected = {f"decoder.layers.{layer}.{p}" for p in _te_spec_params(spec)
+                    if not p.startswith("mlp.router") and not p.startswith("mlp.shared_experts")}
+        prefix = f"decoder.layers.{layer}."
+        canonical = [e.megatron for e in expand(config) if e.megatron.startswith(prefix) and ".experts." not in e.megatron
+                     and ".router." not in e.megatron and ".shared_experts." not in e.megatron]
+        if not config.is_mla:  # GQA's q/k/v biases are not parameters the stand-in knows
+            canonical = [n for n in canonical if not n.endswith("linear_qkv.bias")]
+        translated = [canonical_to_te(n, 1, dense=not moe, mla=config.is_mla)[1] for n in canonical]
+        if config.is_mla and config.q_lora_rank:  # the unmasked parameters that the TE spec builds but 0.16.1 skips
+            expected.discard(prefix + "self_attention.linear_q_proj.weight")
+        if config.is_mla and not config.q_lora_rank:
+            expected -= {prefix + "self_attention.linear_q_down_proj.weight",
+                         prefix + "self_attention.linear_q_up_proj.weight",
+                         prefix + "self_attention.linear_q_up_proj.layer_norm_weight"}
+        assert sorted(translated) == sorted(expected)
+        assert [te_to_canonical(t, 0, 1, mla=config.is_mla) for t in translated] == canonical
+
+
 def test_parse_bytes():
     assert parse_bytes("5GB") == 5 * 10**9
     assert parse_bytes("512MiB") == 512 * 2**20
