@@ -21,6 +21,7 @@ from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.parallel import ParallelConfig
 from gspo_megatron.megatron.optimizer import OptimizerConfig
 from gspo_megatron.rewards.config import RewardConfig
+from gspo_megatron.rollout.agent_loop import MultiTurnConfig
 from gspo_megatron.rollout.sglang_config import SGLangConfig
 from gspo_megatron.typed_config import ConfigError, build, check, to_dict
 
@@ -68,6 +69,8 @@ class RolloutSection:
     # core only when the trainer leaves it idle (its serial Python between parallel ops); 0: equal priority
     engine_nice: int = 19
     sglang: SGLangConfig | None = None  # required with engine: sglang
+    # tool calls during a response (rollout/agent_loop.py, docs/multi-turn.md); max_new_tokens bounds each turn
+    multi_turn: MultiTurnConfig | None = None
 
     def validate(self, path: str) -> None:
         check(self.samples_per_prompt >= 2, f"{path}.samples_per_prompt",
@@ -118,6 +121,10 @@ class SFTSection:
     steps: int = 0
     batch_size: int = 32
     lr: float = 3e-3
+    # multi-turn warm start: 'module:function' mapping a prompt sample to the chat messages after its prompt
+    # (assistant turns that call tools, the tool answers, the final answer); tool and template tokens are
+    # masked out of the loss like in RL (rollout/agent_loop.py trace_tokens)
+    traces: str | None = None
 
     def validate(self, path: str) -> None:
         check(self.steps >= 0, f"{path}.steps", "must be >= 0")
@@ -205,6 +212,16 @@ class TrainConfig:
               or not (sglang.weight_sync == "tensor" and sglang.release_memory), "rollout.sglang.release_memory",
               "must be false with train.rollout_mode: overlap (the servers generate the next batch while the trainer "
               "trains, so they cannot give their GPU memory back meanwhile)")
+        check(self.rollout.multi_turn is None or self.train.routing_replay != "r3", "train.routing_replay",
+              "r3 is not supported with rollout.multi_turn (the engine's experts of the tool tokens are not recorded)")
+        check(self.sft.traces is None or self.rollout.multi_turn is not None, "sft.traces",
+              "needs rollout.multi_turn (the traces' tool turns are rendered by its chat template)")
+        multi_turn = self.rollout.multi_turn
+        if multi_turn is not None and self.model.config is not None:
+            need = self.data.max_prompt_tokens + multi_turn.max_trajectory_tokens
+            check(self.model.config.max_position_embeddings >= need, "rollout.multi_turn.max_trajectory_tokens",
+                  f"data.max_prompt_tokens + max_trajectory_tokens = {need} exceeds "
+                  f"model.config.max_position_embeddings ({self.model.config.max_position_embeddings})")
         responses = self.train.prompts_per_step * self.rollout.samples_per_prompt
         check(responses >= self.train.minibatches_per_step, "train.minibatches_per_step",
               f"must be <= prompts_per_step x samples_per_prompt = {responses}")
@@ -320,6 +337,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
             if isinstance(files, list):
                 data["data"][key] = [str((path.parent / f).resolve()) if isinstance(f, str) and not Path(f).is_absolute()
                                      and (path.parent / f).exists() else f for f in files]
+    model = data.get("model")
+    if path is not None and isinstance(model, dict) and isinstance(model.get("tokenizer_dir"), str):
+        # a tokenizer folder relative to the config file, like the datasets (examples/cpu_tool_demo.yaml)
+        folder = path.parent / model["tokenizer_dir"]
+        if not Path(model["tokenizer_dir"]).is_absolute() and folder.is_dir():
+            model["tokenizer_dir"] = str(folder.resolve())
     if "data" not in data:
         raise ConfigError("data: required section is missing (data.train_files at least)")
     return build(TrainConfig, data, "")
