@@ -35,6 +35,8 @@ GROUPS: tuple[MetricGroup, ...] = (
     MetricGroup("clip_fraction", "Clip fraction", "fraction clipped", ("clip_frac_seq", "clip_frac_token")),
     MetricGroup("routing_drift", "Routing drift", "top-k sets changed", ("routing_drift",)),
     MetricGroup("logprob_gap", "Train/rollout log-prob gap", "mean |gap|", ("logprob_gap_mean",)),
+    MetricGroup("tool_use", "Tool use (rollout.multi_turn)", "responses calling a tool",
+                ("tool_use_frac", "eval_tool_use_frac")),
 )
 
 Series = tuple[list[int], list[float]]
