@@ -236,3 +236,30 @@ def test_trace_tokens_lay_out_a_warm_start_trace_like_a_rollout():
         "5<|im_end|>")
     runs = segments(mask)
     assert [r[0] for r in runs] == [True, False, True] and runs[0][2] == 2 and runs[2][2] - runs[2][1] == 2
+
+
+def test_sglang_continues_trajectories_from_input_ids_with_per_trajectory_seeds():
+    """The same loop on the SGLang engine (against the local stand-in server, NOT SGLang): a later turn is
+    a /generate request whose input_ids are the trajectory so far, seeded by the trajectory's own index."""
+    from gspo_megatron.rollout.agent_loop import turn_seed
+    from gspo_megatron.rollout.sampling import sample_seed
+    from tests.rollout.sglang_standin import StandinServer, StandinState
+    from tests.rollout.test_sglang_engine import _attach
+
+    with StandinServer(StandinState(vocab=len(SPECIALS) + len(CHARS))) as srv:
+        loop = AgentLoop(_attach([srv], prompts_per_request=64), agent().config, tokenizer(), None,
+                         stop_token_ids=[EOS])
+        try:
+            samples = loop.generate(PROMPTS, 8, params())
+        finally:
+            loop.shutdown()
+        requests = [(ids, sp["sampling_seed"]) for body in srv.bodies("/generate")
+                    for ids, sp in zip(body["input_ids"], body["sampling_params"])]
+    with_tools = [(k, s) for k, s in enumerate(samples) if s.tool_stats["tool_calls"] > 0]
+    assert len(with_tools) >= 2
+    for k, s in with_tools:
+        runs = segments(s.response_mask)
+        second_turn = runs[2][1] if len(runs) > 2 else len(s.response_ids)
+        context = PROMPTS[s.prompt_index] + s.response_ids[:second_turn]
+        assert (context, sample_seed(turn_seed(7, 1), k, 0)) in requests
+        assert s.response_ids[second_turn:second_turn + 1] in ([context[-1]], [])  # the stand-in echoes it
