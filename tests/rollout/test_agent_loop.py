@@ -263,3 +263,22 @@ def test_sglang_continues_trajectories_from_input_ids_with_per_trajectory_seeds(
         context = PROMPTS[s.prompt_index] + s.response_ids[:second_turn]
         assert (context, sample_seed(turn_seed(7, 1), k, 0)) in requests
         assert s.response_ids[second_turn:second_turn + 1] in ([context[-1]], [])  # the stand-in echoes it
+
+
+@pytest.mark.timeout(600)
+def test_the_overlap_engine_process_runs_the_same_trajectories():
+    """Overlap mode runs the agent loop inside the engine process (EngineSpec.agent): same weights, same
+    seeds, the same trajectories, masks and tool counters as the in-process loop."""
+    from gspo_megatron.rollout.agent_loop import AgentSpec
+    from gspo_megatron.rollout.process_engine import EngineSpec, ProcessRolloutEngine
+
+    spec = AgentSpec(agent().config, tokenizer(), None, (EOS,))
+    child = ProcessRolloutEngine(EngineSpec(engine().model.config, init_seed=3, agent=spec))
+    try:
+        result = child.result(child.submit(PROMPTS, 8, params()))
+    finally:
+        child.shutdown()
+    for a, b in zip(result.samples, trajectories()):
+        assert a.response_ids == b.response_ids and a.response_mask == b.response_mask
+        assert a.tool_stats == b.tool_stats
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

@@ -47,6 +47,7 @@ def test_the_tool_demo_config_is_valid_and_its_limits_are_checked():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a subprocess run: minutes on a busy 2-core machine
 def test_tool_demo_runs_and_the_trainer_reads_the_engines_log_probs_of_model_tokens(tmp_path):
     """Two RL steps after a short warm start on tool traces: the responses call the calculator, and the
     trainer's forward of each whole trajectory reproduces the engine's log-probs of the model's tokens
@@ -62,6 +63,7 @@ def test_tool_demo_runs_and_the_trainer_reads_the_engines_log_probs_of_model_tok
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # three subprocess runs
 def test_overlapped_tool_run_resumes_exactly_with_trajectories_in_flight(tmp_path):
     """Overlap mode generates step k+1's trajectories (the agent loop runs in the engine process) while step
     k trains; a checkpoint holds them with their masks and tool counters. SIGKILL after step 1's checkpoint,
