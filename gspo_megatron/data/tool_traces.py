@@ -22,9 +22,14 @@ def calculator_trace(sample: Any) -> list[dict[str, str]]:
     responses and RL can move that rate either way."""
     if sample.index % 2:
         return [{"role": "assistant", "content": str(sample.answer)}]
+    return calculator_only_trace(sample)
+
+
+def calculator_only_trace(sample: Any) -> list[dict[str, str]]:
+    """Every prompt through the calculator (a warm start that makes the model call it from the start)."""
     return [{"role": "assistant", "content": calculator_call(sample.prompt.rstrip("="))},
             {"role": "tool", "content": str(sample.answer)},
             {"role": "assistant", "content": str(sample.answer)}]
 
 
-__all__ = ["calculator_call", "calculator_trace"]
+__all__ = ["calculator_call", "calculator_only_trace", "calculator_trace"]

@@ -16,7 +16,8 @@ from gspo_megatron.typed_config import ConfigError
 REPO = Path(__file__).resolve().parents[2]
 TOOL_DEMO = REPO / "examples" / "cpu_tool_demo.yaml"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-SMALL = ["sft.steps=40", "sft.batch_size=8", "train.prompts_per_step=4", "rollout.samples_per_prompt=4",
+SMALL = ["sft.steps=40", "sft.batch_size=8", "sft.traces=gspo_megatron.data.tool_traces:calculator_only_trace",
+         "train.prompts_per_step=4", "rollout.samples_per_prompt=4",
          "eval.num_prompts=8", "eval.every_steps=1", "checkpoint.every_steps=1", "logging.console=false",
          "logging.tensorboard=false"]
 
