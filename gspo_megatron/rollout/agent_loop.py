@@ -175,7 +175,8 @@ class AgentLoop(RolloutEngine):
         return self.engine.weight_version
 
     # ---- generation ---------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, params: SamplingParams) -> list[Sample]:
+    def generate(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int,
+                 params: SamplingParams) -> list[Sample]:
         cfg, G = self.config, samples_per_prompt
         budget = cfg.max_trajectory_tokens
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
@@ -210,7 +211,8 @@ class AgentLoop(RolloutEngine):
         current: list[int] = []
         for k in range(len(order)):
             candidate = current + [k]
-            width = max(len(order[i].prompt) + len(order[i].response) for i in candidate) + max(new_tokens[i] for i in candidate)
+            context = max(len(order[i].prompt) + len(order[i].response) for i in candidate)
+            width = context + max(new_tokens[i] for i in candidate)
             if current and width > limit:  # a trajectory alone always fits: its context + budget <= limit
                 groups.append(current)
                 candidate = [k]
@@ -254,7 +256,8 @@ class AgentLoop(RolloutEngine):
     def _run_tool(self, t: _Trajectory, call: tuple[Any, Any] | str, k: int) -> str:
         t.stats["tool_calls"] += 1
         if k >= self.config.max_tool_calls_per_turn:
-            result = ToolResult(f"error: more than {self.config.max_tool_calls_per_turn} tool calls in one turn", error=True)
+            limit = self.config.max_tool_calls_per_turn
+            result = ToolResult(f"error: more than {limit} tool calls in one turn", error=True)
         elif isinstance(call, str):
             result = ToolResult(call, error=True)
         else:
@@ -349,7 +352,8 @@ class AgentSpec:
                          self.run_python)
 
 
-def trace_tokens(renderer: ToolTurnRenderer, messages: Sequence[dict[str, str]], eos_id: int) -> tuple[list[int], list[bool]]:
+def trace_tokens(renderer: ToolTurnRenderer, messages: Sequence[dict[str, str]],
+                 eos_id: int) -> tuple[list[int], list[bool]]:
     """Token ids and model-token mask of a supervised multi-turn trace (the chat messages after the prompt):
     each assistant message is its content plus ``eos_id`` (what a turn stops on, mask True); the tool
     messages that follow one are rendered exactly as the agent loop renders them (mask False). The same
