@@ -26,6 +26,10 @@ class TrainSequence:
     routed_experts:   [R, num_moe_layers, top_k] int, optional: the experts Routing Replay forces in this
                       sequence's forwards, row p for model input position p (R = L - 1: an engine's
                       record, "R3"; or R = L: a RoutingRecorder's, "R2"). See ``megatron/routing.py``.
+    response_mask:    [L - P] bool, optional (multi-turn trajectories, ``rollout/agent_loop.py``): True on
+                      the tokens the model sampled. Tool-output and chat-template tokens (False) stay in
+                      the sequence the model reads but leave ``loss_mask``, so the loss, the log-ratios,
+                      the KL and |y_i| count the model's own tokens only (GSPO's ratio, Eq. 7).
     """
 
     tokens: torch.Tensor
@@ -36,10 +40,16 @@ class TrainSequence:
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
+    response_mask: torch.Tensor | None = None
 
     @property
     def response_len(self) -> int:
         return int(self.tokens.numel()) - self.prompt_len
+
+    @property
+    def loss_tokens(self) -> int:
+        """|y_i|: the response tokens the loss counts (the model's own tokens of a multi-turn trajectory)."""
+        return self.response_len if self.response_mask is None else int(self.response_mask.sum())
 
 
 def pack_microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -111,6 +121,8 @@ def collate(seqs: Sequence[TrainSequence], pad_multiple: int = 1, pad_id: int = 
         out["labels"][:n][position < length - 1] = torch.cat([q.tokens[1:] for q in seqs])
         response = (position >= start) & (position < length - 1)
         out["loss_mask"][:n] = response
+        if any(q.response_mask is not None for q in seqs):
+            out["loss_mask"][:n][response] = torch.cat([_model_token_mask(q) for q in seqs])
         out["padding_mask"][:n] = position >= length
         for name, tensor in per_token.items():
             values = [getattr(q, name) for q in seqs]
@@ -124,6 +136,16 @@ def collate(seqs: Sequence[TrainSequence], pad_multiple: int = 1, pad_id: int = 
         out["advantages"] = torch.zeros(b, dtype=torch.float32)
         out["advantages"][:len(seqs)] = torch.tensor([q.advantage for q in seqs], dtype=torch.float32)
     return out
+
+
+def _model_token_mask(q: TrainSequence) -> torch.Tensor:
+    """[L - P] bool: which response tokens the loss counts (all unless the sequence has a response_mask)."""
+    if q.response_mask is None:
+        return torch.ones(q.response_len, dtype=torch.bool)
+    if q.response_mask.numel() != q.response_len:
+        raise ValueError(f"collate: response_mask has {q.response_mask.numel()} entries for {q.response_len} "
+                         "response tokens")
+    return q.response_mask.to(torch.bool)
 
 
 def split_for_data_parallel(items: Sequence, dp_size: int, dp_rank: int) -> list:

@@ -1,7 +1,7 @@
 """GSPO algorithm core in pure PyTorch: group advantages, GSPO / GSPO-token / GRPO / SAPO / CISPO losses, KL,
 entropy, truncated importance sampling and reducible metrics. Imports nothing from Megatron or SGLang.
 See docs/algorithms.md."""
-from gspo_megatron.algorithms.advantages import GroupAdvantages, group_advantages
+from gspo_megatron.algorithms.advantages import GroupAdvantages, group_advantages, turn_ids, turn_token_advantages
 from gspo_megatron.algorithms.config import PAPER_CLIP, LossConfig
 from gspo_megatron.algorithms.kl import kl_estimate
 from gspo_megatron.algorithms.layout import (
@@ -64,6 +64,8 @@ __all__ = [
     "finalize_metrics",
     "group_advantages",
     "icepop_weights",
+    "turn_ids",
+    "turn_token_advantages",
     "grpo_loss",
     "gspo_loss",
     "gspo_loss_from_sums",

@@ -119,3 +119,27 @@ def _sample_std(x: Tensor) -> Tensor:
     if x.numel() < 2:
         return torch.zeros((), dtype=x.dtype, device=x.device)
     return x.std()
+
+
+def turn_ids(response_mask: Tensor) -> Tensor:
+    """[T] int64: the model turn each response token belongs to (0, 1, ...), -1 on inserted (tool and
+    chat-template) tokens. response_mask: [T] bool, True on the tokens the model sampled (a multi-turn
+    trajectory, ``batching.TrainSequence.response_mask``); a turn is a maximal run of True."""
+    mask = response_mask.to(torch.bool)
+    starts = mask & ~torch.cat([mask.new_zeros(1), mask[:-1]])
+    return torch.where(mask, starts.long().cumsum(0) - 1, -1)
+
+
+def turn_token_advantages(response_mask: Tensor, turn_advantages: Tensor) -> Tensor:
+    """[T] per-token advantages A_it for GSPO-token (Eq. 15-17) from one advantage per model turn: token t of
+    turn k gets ``turn_advantages[k]``, inserted tokens 0 (they are off the loss mask anyway).
+    response_mask: [T] bool; turn_advantages: [K] float, K = the number of model turns.
+
+    With every turn at the trajectory's A_i, GSPO-token equals GSPO in value and gradient (tested), so a
+    per-turn credit rule (e.g. a penalty on the turn whose tool call failed) is a change of these K numbers."""
+    turns = turn_ids(response_mask)
+    count = int(turns.max()) + 1 if turns.numel() else 0
+    if turn_advantages.numel() != count:
+        raise ValueError(f"turn_token_advantages: {turn_advantages.numel()} advantages for {count} model turns")
+    values = turn_advantages.to(torch.float32)[turns.clamp(min=0)]
+    return torch.where(turns >= 0, values, 0.0)

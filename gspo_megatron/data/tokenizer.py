@@ -27,13 +27,30 @@ DEMO_CHAT_TEMPLATE = (
 )
 
 
+# The tool demo (examples/cpu_tool_demo.yaml): Qwen3's tool tags as single tokens (ids 100-103, as Qwen3 has
+# them as added tokens), and a template that renders tool messages the way Qwen3's does: consecutive tool
+# messages form one user turn of <tool_response> blocks.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+TOOL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def demo_tokenizer_path() -> str:
     """The folder of the shipped demo tokenizer (load it with ``AutoTokenizer.from_pretrained``)."""
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tokenizer")
 
 
-def build_demo_tokenizer() -> Any:
-    """A ``transformers.PreTrainedTokenizerFast`` over single characters (see the module docstring)."""
+def build_demo_tokenizer(tool_tokens: bool = False) -> Any:
+    """A ``transformers.PreTrainedTokenizerFast`` over single characters (see the module docstring);
+    ``tool_tokens``: also ``TOOL_TOKENS`` (ids 100-103) and ``TOOL_CHAT_TEMPLATE``, the tool demo's."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -45,10 +62,18 @@ def build_demo_tokenizer() -> Any:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
                                         unk_token="<unk>", model_max_length=4096)
     tokenizer.chat_template = DEMO_CHAT_TEMPLATE
+    if tool_tokens:
+        tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in TOOL_TOKENS], special_tokens=True)
+        tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     return tokenizer
 
 
-def save_demo_tokenizer(path: str | os.PathLike[str]) -> str:
+def tool_demo_tokenizer_path() -> str:
+    """The shipped tokenizer of the tool demo (``build_demo_tokenizer(tool_tokens=True)``)."""
+    return os.path.join(os.path.dirname(demo_tokenizer_path()), "tool_tokenizer")
+
+
+def save_demo_tokenizer(path: str | os.PathLike[str], tool_tokens: bool = False) -> str:
     """Build and ``save_pretrained`` the demo tokenizer into ``path`` (written aside, then renamed)."""
     path = os.fspath(path)
     parent = os.path.dirname(os.path.abspath(path))
@@ -56,7 +81,7 @@ def save_demo_tokenizer(path: str | os.PathLike[str]) -> str:
     tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a shipped folder must be readable by everyone
     try:
-        build_demo_tokenizer().save_pretrained(tmp)
+        build_demo_tokenizer(tool_tokens).save_pretrained(tmp)
     except BaseException:
         shutil.rmtree(tmp)  # no half-written folder left behind; the error propagates
         raise
@@ -72,5 +97,5 @@ def load_demo_tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(demo_tokenizer_path())
 
 
-__all__ = ["DEMO_CHAT_TEMPLATE", "build_demo_tokenizer", "demo_tokenizer_path", "load_demo_tokenizer",
-           "save_demo_tokenizer"]
+__all__ = ["DEMO_CHAT_TEMPLATE", "TOOL_CHAT_TEMPLATE", "TOOL_TOKENS", "build_demo_tokenizer", "demo_tokenizer_path",
+           "load_demo_tokenizer", "save_demo_tokenizer", "tool_demo_tokenizer_path"]

@@ -104,7 +104,7 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, model_config, gro
 
 def global_normalisers(seqs: Sequence[TrainSequence], dp_group) -> LossNormalisers:
     """Sequences with response tokens and response tokens of the whole mini-batch (all DP ranks)."""
-    counts = torch.tensor([sum(1.0 for q in seqs if q.response_len > 0), float(sum(q.response_len for q in seqs))],
+    counts = torch.tensor([sum(1.0 for q in seqs if q.loss_tokens > 0), float(sum(q.loss_tokens for q in seqs))],
                           dtype=torch.float64)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(counts, group=dp_group)

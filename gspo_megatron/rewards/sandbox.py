@@ -205,6 +205,22 @@ def run_in_sandbox(cfg: SandboxConfig, files: dict[str, str], runs: list[Run],
                         error=reply["setup_error"])
 
 
+def python_tool(cfg: SandboxConfig, code: str, timeout_s: float) -> tuple[str, bool, bool, bool]:
+    """The multi-turn ``python`` tool (rollout/tools.py): ``code`` run as ``python main.py`` in the sandbox with
+    ``cfg``'s limits and a wall-clock limit of ``timeout_s``. Returns (answer text, error, timed_out,
+    truncated): its stdout, or why it failed. Never raises for anything the program does."""
+    cfg = dataclasses.replace(cfg, case_timeout_s=timeout_s)
+    reply = run_in_sandbox(cfg, {"main.py": code}, [Run(["main.py"], return_stdout=True)])
+    if reply.error is not None:
+        return f"error: {reply.error}", True, False, False
+    run = reply.runs[0]
+    if run.timed_out:
+        return f"error: timed out after {timeout_s:g} s", True, True, False
+    if run.exit_code != 0:
+        return f"error: exit code {run.exit_code}\n{run.stderr_tail}", True, False, False
+    return run.stdout or "", False, False, run.output_overflow
+
+
 def probe_isolation(cfg: SandboxConfig) -> dict[str, Any]:
     """Run a trivial program once and return the isolation report; raise ``SandboxUnavailable`` when the
     interpreter cannot run in the sandbox or ``isolation: namespaces`` cannot be honoured.

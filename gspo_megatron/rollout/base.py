@@ -23,6 +23,8 @@ class SamplingParams:
     drawn from ``rollout.sampling.sample_seed(seed, prompt_offset + i, j)`` in every engine, so a response
     does not depend on the batch or rank that produced it. ``prompt_offset``: the global index of
     ``prompts[0]`` when a caller splits one batch of prompts over several ``generate`` calls (DP ranks).
+    ``prompt_indices``: the global index of every prompt instead (the agent loop's later turns, whose
+    prompts are the trajectories still running); ``prompt_index(i)`` is what both engines seed with.
     """
 
     max_new_tokens: int = 64
@@ -33,6 +35,11 @@ class SamplingParams:
     seed: int | None = None
     prompt_offset: int = 0
     return_routed_experts: bool = False
+    prompt_indices: list[int] | None = None
+
+    def prompt_index(self, i: int) -> int:
+        """The global index of ``prompts[i]``: what sample j of it is seeded with (``sample_seed``)."""
+        return self.prompt_indices[i] if self.prompt_indices is not None else self.prompt_offset + i
 
 
 @dataclasses.dataclass
@@ -51,6 +58,10 @@ class Sample:
         ``[prompt_routed_experts; routed_experts]`` covers every position the engine fed
         (P + T - 1 rows): what Routing Replay "R3" replays in the training forwards. The samples of one
         group may share this tensor (one prefill per prompt): do not modify it in place.
+    response_mask: optional [T] bools of a multi-turn trajectory (``rollout/agent_loop.py``): True on the
+        tokens the model sampled, False on the tool-output and chat-template tokens inserted between its
+        turns (their ``logprobs`` are 0.0). None: every token was sampled.
+    tool_stats: optional counters of a trajectory (turns, tool_calls, tool_errors, ...: ``agent_loop.STAT_KEYS``).
     """
 
     prompt_index: int
@@ -59,6 +70,8 @@ class Sample:
     finish_reason: FinishReason
     routed_experts: torch.Tensor | None = None
     prompt_routed_experts: torch.Tensor | None = None
+    response_mask: list[bool] | None = None
+    tool_stats: dict[str, int] | None = None
 
     def all_routed_experts(self) -> torch.Tensor | None:
         """[P + T - 1, num_moe_layers, top_k]: the experts of every fed position, prompt then response."""

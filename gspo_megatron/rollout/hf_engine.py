@@ -538,7 +538,7 @@ class HFRolloutEngine(RolloutEngine):
         with torch.inference_mode(), _RoutingRecorder(gates, self._arch.moe_top_k) as recorder:
             for start in range(0, len(prompts), prompts_per_chunk):
                 chunk = prompts[start : start + prompts_per_chunk]
-                indices = [params.prompt_offset + start + k for k in range(len(chunk))]
+                indices = [params.prompt_index(start + k) for k in range(len(chunk))]
                 uniforms = sample_uniforms(seed, indices, samples_per_prompt, params.max_new_tokens)
                 samples.extend(self._generate_chunk(chunk, start, samples_per_prompt, params, uniforms, recorder))
         return samples

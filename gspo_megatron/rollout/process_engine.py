@@ -47,13 +47,15 @@ class GenerationResult:
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
     """How the child builds its engine: ``HFRolloutEngine(hf_config, init_seed=..., max_batch_rows=...)``
-    with ``threads`` torch threads, ``nice`` added to its scheduling niceness (``os.nice``)."""
+    with ``threads`` torch threads, ``nice`` added to its scheduling niceness (``os.nice``), inside the
+    agent loop when ``agent`` is set."""
 
     hf_config: object
     init_seed: int | None = None
     max_batch_rows: int = 256
     threads: int = 1
     nice: int = 0
+    agent: object = None  # an agent_loop.AgentSpec: the child runs multi-turn trajectories (rollout.multi_turn)
 
 
 def _child_main(conn, spec: EngineSpec, parent_pid: int) -> None:
@@ -70,10 +72,13 @@ def _child_main(conn, spec: EngineSpec, parent_pid: int) -> None:
     from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
     engine = HFRolloutEngine(spec.hf_config, init_seed=spec.init_seed, max_batch_rows=spec.max_batch_rows)
+    if spec.agent is not None:
+        engine = spec.agent.wrap(engine)
     conn.send_bytes(pickle.dumps(("ready", None, engine.checkpoint_weight_names())))
     while True:
         kind, request_id, payload = pickle.loads(conn.recv_bytes())
         if kind == "shutdown":
+            engine.shutdown()  # the agent loop's tool worker, if any
             conn.send_bytes(pickle.dumps(("bye", request_id, None)))
             return
         # a failed request is answered with its traceback and the loop goes on: the parent decides

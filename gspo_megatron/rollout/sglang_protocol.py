@@ -96,7 +96,7 @@ def build_generate_request(prompts: Sequence[Sequence[int]], prompt_indices: Seq
         body["input_ids"] = [ids for ids in chosen for _ in range(samples_per_prompt)]
         body["sampling_params"] = [
             sampling_params_body(params, n=1,
-                                 sampling_seed=sample_seed(base_seed, params.prompt_offset + i, j))
+                                 sampling_seed=sample_seed(base_seed, params.prompt_index(i), j))
             for i in prompt_indices for j in range(samples_per_prompt)
         ]
         expansion = "repeat"

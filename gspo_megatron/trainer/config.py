@@ -21,6 +21,7 @@ from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.parallel import ParallelConfig
 from gspo_megatron.megatron.optimizer import OptimizerConfig
 from gspo_megatron.rewards.config import RewardConfig
+from gspo_megatron.rollout.agent_loop import MultiTurnConfig
 from gspo_megatron.rollout.sglang_config import SGLangConfig
 from gspo_megatron.typed_config import ConfigError, build, check, to_dict
 
@@ -89,6 +90,8 @@ class RolloutSection:
     # penalty (0 down to -1) over the last overlong_buffer_tokens tokens before max_new_tokens to every reward
     overlong: Literal["none", "mask", "soft_penalty"] = "none"
     overlong_buffer_tokens: int = 0
+    # tool calls during a response (rollout/agent_loop.py, docs/multi-turn.md); max_new_tokens bounds each turn
+    multi_turn: MultiTurnConfig | None = None
 
     def validate(self, path: str) -> None:
         check(self.samples_per_prompt >= 2, f"{path}.samples_per_prompt",
@@ -153,6 +156,10 @@ class SFTSection:
     steps: int = 0
     batch_size: int = 32
     lr: float = 3e-3
+    # multi-turn warm start: 'module:function' mapping a prompt sample to the chat messages after its prompt
+    # (assistant turns that call tools, the tool answers, the final answer); tool and template tokens are
+    # masked out of the loss like in RL (rollout/agent_loop.py trace_tokens)
+    traces: str | None = None
 
     def validate(self, path: str) -> None:
         check(self.steps >= 0, f"{path}.steps", "must be >= 0")
@@ -256,6 +263,16 @@ class TrainConfig:
               "must be false with train.rollout_mode: overlap (the servers generate the next batch while the trainer "
               "trains, so they cannot give their GPU memory back meanwhile)")
         check_reward_imports(self.rewards)
+        check(self.rollout.multi_turn is None or self.train.routing_replay != "r3", "train.routing_replay",
+              "r3 is not supported with rollout.multi_turn (the engine's experts of the tool tokens are not recorded)")
+        check(self.sft.traces is None or self.rollout.multi_turn is not None, "sft.traces",
+              "needs rollout.multi_turn (the traces' tool turns are rendered by its chat template)")
+        multi_turn = self.rollout.multi_turn
+        if multi_turn is not None and self.model.config is not None:
+            need = self.data.max_prompt_tokens + multi_turn.max_trajectory_tokens
+            check(self.model.config.max_position_embeddings >= need, "rollout.multi_turn.max_trajectory_tokens",
+                  f"data.max_prompt_tokens + max_trajectory_tokens = {need} exceeds "
+                  f"model.config.max_position_embeddings ({self.model.config.max_position_embeddings})")
         responses = self.train.prompts_per_step * self.rollout.samples_per_prompt
         check(responses >= self.train.minibatches_per_step, "train.minibatches_per_step",
               f"must be <= prompts_per_step x samples_per_prompt = {responses}")

@@ -33,6 +33,7 @@ from gspo_megatron.megatron.parallel import initialize_model_parallel
 from gspo_megatron.batching import TrainSequence, iter_minibatches, split_for_data_parallel
 from gspo_megatron.megatron.policy_model import PolicyModel
 from gspo_megatron.megatron.routing import replay_for_step
+from gspo_megatron.rollout.agent_loop import tool_metrics
 from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.trainer.batch_filling import BatchFiller, round_seed
 from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, overlap_timing, staleness, trainer_threads
@@ -163,21 +164,41 @@ class Trainer:
         if self.config.rollout.engine == "hf" and self.ahead is not None:
             from gspo_megatron.rollout.process_engine import EngineSpec, ProcessRolloutEngine
 
+            # multi-turn: the agent loop runs in the engine process, so whole trajectories are generated ahead
             return ProcessRolloutEngine(EngineSpec(self.model_config.to_hf_config(), init_seed=self.config.model.init_seed,
                                                    threads=self.config.rollout.engine_threads,
-                                                   nice=self.config.rollout.engine_nice))
+                                                   nice=self.config.rollout.engine_nice, agent=self._agent_spec()))
         if self.config.rollout.engine == "hf":
             from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
-            return HFRolloutEngine(self.model_config.to_hf_config(), init_seed=self.config.model.init_seed)
+            return self._with_tools(HFRolloutEngine(self.model_config.to_hf_config(), init_seed=self.config.model.init_seed))
         from gspo_megatron.trainer.rollout_setup import connect_sglang
 
         # Every rank drives its share of the rollouts through all servers; who launches them and who
         # posts the weights: trainer/rollout_setup.py (docs/rollout.md, "Several trainer ranks").
         if self._sglang_rank is not None:
-            return self._sglang_rank.build_engine()  # a rebuild: relaunch on the launching rank, else re-attach
+            return self._with_tools(self._sglang_rank.build_engine())  # a rebuild: relaunch on the launching rank, else re-attach
         self._sglang_rank, engine = connect_sglang(self.config.rollout.sglang, os.environ)
-        return engine
+        return self._with_tools(engine)
+
+    def _agent_spec(self):
+        """What the agent loop needs besides the engine (``rollout.multi_turn``), or None for single-turn."""
+        from gspo_megatron.rollout.agent_loop import AgentSpec
+
+        if self.config.rollout.multi_turn is None:
+            return None
+        import functools
+
+        from gspo_megatron.rewards.sandbox import python_tool
+
+        return AgentSpec(self.config.rollout.multi_turn, self.tokenizer, self.config.data.chat_template,
+                         tuple(stop_token_ids(self.tokenizer, self.config.model.hf_dir)),
+                         run_python=functools.partial(python_tool, self.config.rewards.code.sandbox))
+
+    def _with_tools(self, engine):
+        """``engine`` inside the multi-turn agent loop when ``rollout.multi_turn`` is set."""
+        spec = self._agent_spec()
+        return engine if spec is None else spec.wrap(engine)
 
     def _initialise_weights(self) -> None:
         """Load HF weights when given; otherwise the canonical random initialisation of model.init_seed
@@ -206,11 +227,9 @@ class Trainer:
         """A short supervised stage on reference answers (documented first stage of the CPU demo), from step
         ``start`` (a resume of a warm start a signal stopped: its optimizer is loaded). A signal stops it
         after any step with a checkpoint of that step (``warm_start`` in its metadata)."""
-        from gspo_megatron.data.chat import encode
-
         cfg = self.config.sft
         samples = list(self.train_data)
-        eos = self.tokenizer.eos_token_id
+        sequence = self._warm_start_sequence()
         if start == 0:
             self.policy.reset_optimizer(lr=cfg.lr)
         gen = torch.Generator().manual_seed(self.config.train.seed)
@@ -218,11 +237,7 @@ class Trainer:
             torch.randint(0, len(samples), (cfg.batch_size,), generator=gen)
         for step in range(start, cfg.steps):
             picks = torch.randint(0, len(samples), (cfg.batch_size,), generator=gen).tolist()
-            seqs = []
-            for i in picks:
-                s = samples[i]
-                response = encode(self.tokenizer, str(s.answer)) + [eos]
-                seqs.append(TrainSequence(torch.tensor(s.prompt_ids + response), len(s.prompt_ids)))
+            seqs = [sequence(samples[i]) for i in picks]
             mine = split_for_data_parallel(seqs, self.dp_size, self.dp_rank)
             raw = self.policy.sft_forward_backward(mine)
             self.policy.optimizer_step()
@@ -234,6 +249,29 @@ class Trainer:
                 self.stopped = True
                 return
         self.policy.reset_optimizer()  # RL starts from a fresh Adam state and the RL schedule
+
+    def _warm_start_sequence(self):
+        """How the warm start turns a prompt into a supervised sequence: the prompt, its reference answer and
+        EOS; or, with ``sft.traces`` (a multi-turn run), the prompt and its tool-using trace (tool calls, tool
+        answers, final answer), of which only the model's tokens are trained (``TrainSequence.response_mask``)."""
+        from gspo_megatron.data.chat import encode
+
+        cfg, eos = self.config.sft, self.tokenizer.eos_token_id
+        if cfg.traces is None:
+            return lambda s: TrainSequence(torch.tensor(s.prompt_ids + encode(self.tokenizer, str(s.answer)) + [eos]),
+                                           len(s.prompt_ids))
+        from gspo_megatron.rewards.terms import import_function
+        from gspo_megatron.rollout.agent_loop import ToolTurnRenderer, trace_tokens
+
+        trace = import_function(cfg.traces, "sft.traces", self.config.rewards.import_dirs)
+        renderer = ToolTurnRenderer(self.tokenizer, self.config.data.chat_template,
+                                    self.config.rollout.multi_turn.max_tool_output_tokens)
+
+        def sequence(s) -> TrainSequence:
+            ids, mask = trace_tokens(renderer, trace(s), eos)
+            return TrainSequence(torch.tensor(s.prompt_ids + ids), len(s.prompt_ids), response_mask=torch.tensor(mask))
+
+        return sequence
 
     # ---- one RL step -----------------------------------------------------------------------------
     def rollout(self, prompts, seed: int, samples_per_prompt: int, temperature: float, max_new_tokens: int,
@@ -267,7 +305,10 @@ class Trainer:
 
     def _score_and_gather(self, mine, samples, samples_per_prompt: int):
         """Rewards of this rank's samples, then the whole batch on every rank (see ``rollout``)."""
-        texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        from gspo_megatron.rollout.agent_loop import final_turn_ids
+
+        # a multi-turn trajectory is scored on its final model turn (the answer), single-turn on the response
+        texts = [self.tokenizer.decode(final_turn_ids(s), skip_special_tokens=True) for s in samples]
         batch = [(mine[i // samples_per_prompt], t) for i, t in enumerate(texts)]
         scores = self.rewards.score_verdicts(batch) if batch else None
         rewards, correct = (scores.rewards, scores.correct) if scores is not None else ([], [])
@@ -581,6 +622,7 @@ class Trainer:
         seed = step_seed(self.config.train.seed + 17, self.step, 0)  # the same on every rank (see rollout)
         greedy, _ = self.rollout(prompts, seed, 1, 0.0, self.config.rollout.max_new_tokens)  # 0: greedy
         out = {"eval_accuracy": _fraction([ok[0] for _, _, _, ok in greedy])}
+        out.update({f"eval_{k}": v for k, v in tool_metrics([s for _, ss, _, _ in greedy for s in ss]).items()})
         sampled = None
         if cfg.pass_k > 1:
             if stoppable and self.preempted():
@@ -853,16 +895,20 @@ def _training_sequences(batch, advantages: torch.Tensor, with_routing: bool,
             if not k:
                 continue
             tokens = torch.tensor(list(prompt.prompt_ids) + list(sample.response_ids), dtype=torch.long)
+            mask = None if sample.response_mask is None else torch.tensor(sample.response_mask, dtype=torch.bool)
             seqs.append(TrainSequence(tokens, len(prompt.prompt_ids), advantage=a,
                                       rollout_logprobs=torch.tensor(sample.logprobs, dtype=torch.float32),
-                                      routed_experts=sample.all_routed_experts() if with_routing else None))
-    return [q for q in seqs if q.response_len > 0]
+                                      routed_experts=sample.all_routed_experts() if with_routing else None,
+                                      response_mask=mask))
+    return [q for q in seqs if q.loss_tokens > 0]
 
 
 def _batch_metrics(batch, rewards: torch.Tensor, zero_variance: torch.Tensor) -> dict[str, float]:
     """Reward, accuracy (the verifiers' verdicts) and response-length statistics of a rollout batch (rewards [B, G])."""
+    samples = [s for _, ss, _, _ in batch for s in ss]
     lengths = torch.tensor([len(s.response_ids) for _, samples, _, _ in batch for s in samples], dtype=torch.float32)
-    out = {"reward_mean": float(rewards.mean()),
+    out = {**tool_metrics(samples),
+           "reward_mean": float(rewards.mean()),
            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
            "accuracy": _fraction([ok for _, _, _, oks in batch for ok in oks]),
            "zero_variance_group_frac": float(zero_variance.float().mean()),

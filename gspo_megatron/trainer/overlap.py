@@ -135,6 +135,9 @@ def sample_to_dict(sample: Sample) -> dict[str, Any]:
         value = getattr(sample, name)
         if value is not None:
             out[name] = {"shape": list(value.shape), "values": value.reshape(-1).tolist()}
+    if sample.response_mask is not None:  # a multi-turn trajectory in flight (rollout/agent_loop.py)
+        out["response_mask"] = [bool(m) for m in sample.response_mask]
+        out["tool_stats"] = dict(sample.tool_stats)
     return out
 
 
@@ -146,4 +149,6 @@ def sample_from_dict(data: dict[str, Any]) -> Sample:
 
     return Sample(prompt_index=int(data["prompt_index"]), response_ids=[int(t) for t in data["response_ids"]],
                   logprobs=[float(x) for x in data["logprobs"]], finish_reason=data["finish_reason"],
-                  routed_experts=experts("routed_experts"), prompt_routed_experts=experts("prompt_routed_experts"))
+                  routed_experts=experts("routed_experts"), prompt_routed_experts=experts("prompt_routed_experts"),
+                  response_mask=[bool(m) for m in data["response_mask"]] if "response_mask" in data else None,
+                  tool_stats={k: int(v) for k, v in data["tool_stats"].items()} if "tool_stats" in data else None)

@@ -51,6 +51,8 @@ GROUPS: tuple[MetricGroup, ...] = (
     MetricGroup("routing_drift_layers", "Routing drift per layer", "experts changed", (), prefix="routing_drift/layer"),
     MetricGroup("stability_masks", "Masked and capped by the stability options", "fraction",
                 ("rollout_seq_mask_frac", "opsm_mask_frac", "icepop_mask_frac", "clip_frac_dual_token", "cispo_clip_frac")),
+    MetricGroup("tool_use", "Tool use (rollout.multi_turn)", "responses calling a tool",
+                ("tool_use_frac", "eval_tool_use_frac")),
 )
 
 Series = tuple[list[int], list[float]]

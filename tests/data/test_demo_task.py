@@ -53,3 +53,23 @@ def test_generated_split_goes_through_the_loader_and_scores(tmp_path):
                                                      tokenize=False, add_generation_prompt=True),
                              add_special_tokens=False)["input_ids"]
     assert response_ids[-1] == tok.eos_token_id
+
+
+def test_shipped_tool_tokenizer_matches_a_fresh_build(tmp_path):
+    """The tool demo's tokenizer: the demo tokenizer plus Qwen3's four tool tags (ids 100-103) and a template
+    that renders tool messages in Qwen3's layout."""
+    from gspo_megatron.data.tokenizer import TOOL_CHAT_TEMPLATE, TOOL_TOKENS, tool_demo_tokenizer_path
+
+    fresh = save_demo_tokenizer(tmp_path / "tok", tool_tokens=True)
+    shipped = tool_demo_tokenizer_path()
+    names = sorted(os.listdir(shipped))
+    assert names == sorted(os.listdir(fresh))
+    match, mismatch, errors = filecmp.cmpfiles(shipped, fresh, names, shallow=False)
+    assert mismatch == [] and errors == []
+    tok = AutoTokenizer.from_pretrained(shipped)
+    assert len(tok) == 104 and tok.convert_tokens_to_ids(list(TOOL_TOKENS)) == [100, 101, 102, 103]
+    assert tok.chat_template == TOOL_CHAT_TEMPLATE
+    text = tok.apply_chat_template([{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "c"},
+                                    {"role": "tool", "content": "3"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("c<|im_end|>\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\n")

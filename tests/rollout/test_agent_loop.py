@@ -1,0 +1,284 @@
+"""Multi-turn rollouts (rollout/agent_loop.py, rollout/tools.py) on a real transformers engine.
+
+The model is a tiny random Qwen3; its tokenizer is built here (nothing is downloaded) with a vocabulary of
+a few characters and one token that *is* a whole Qwen3 tool call, so a random model calls the calculator
+often enough to test every path: real engine, real chat template, real tools.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers
+
+from gspo_megatron.batching import TrainSequence, collate
+from gspo_megatron.data.tokenizer import TOOL_CHAT_TEMPLATE, TOOL_TOKENS
+from gspo_megatron.rollout.agent_loop import (AgentLoop, MultiTurnConfig, ToolTurnRenderer, final_turn_ids,
+                                              parse_tool_calls, tool_metrics, trace_tokens)
+from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.rollout.hf_engine import HFRolloutEngine
+from gspo_megatron.rollout.tools import ToolConfig, ToolRegistry, calculator
+
+CALL = '<tool_call>{"name":"calculator","arguments":{"expression":"2+3"}}</tool_call>'
+# the tool-call tags exist only inside CALL, so every call the model makes is well-formed
+SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>", CALL, *TOOL_TOKENS[2:]]
+CHARS = sorted(set("userasitn\n5"))  # what the template and the calculator's answer "5" need: a small vocabulary,
+PROMPTS = [[1, 9, 10], [1, 11, 12, 13, 14], [1, 15], [1, 16, 10]]  # so the random model often calls and stops
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer():
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
+                                               unk_token="<unk>")
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    return tok
+
+
+@functools.lru_cache(maxsize=None)
+def engine() -> HFRolloutEngine:
+    config = transformers.Qwen3Config(vocab_size=len(SPECIALS) + len(CHARS), hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, intermediate_size=40, num_hidden_layers=2,
+                                      max_position_embeddings=256, initializer_range=0.02, bos_token_id=None,
+                                      eos_token_id=None, pad_token_id=None)
+    return HFRolloutEngine(config, init_seed=3)
+
+
+EOS = 2
+CALL_ID = 4
+
+
+def agent(tools=None, **overrides) -> AgentLoop:
+    cfg = MultiTurnConfig(tools=tools or [ToolConfig("calculator")], max_turns=3, max_tool_output_tokens=8,
+                          max_trajectory_tokens=80, tool_timeout_s=2.0, max_tool_calls_per_turn=16)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return AgentLoop(engine(), cfg, tokenizer(), None, stop_token_ids=[EOS])
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams(**{"max_new_tokens": 16, "temperature": 1.0, "stop_token_ids": [EOS], "seed": 7, **kw})
+
+
+@functools.lru_cache(maxsize=None)
+def trajectories():
+    return agent().generate(PROMPTS, 8, params())
+
+
+def segments(mask: list[bool]) -> list[tuple[bool, int, int]]:
+    """(is model, start, stop) runs of a mask."""
+    runs, start = [], 0
+    for k in range(1, len(mask) + 1):
+        if k == len(mask) or mask[k] != mask[start]:
+            runs.append((mask[start], start, k))
+            start = k
+    return runs
+
+
+def test_calculator_and_tool_call_parsing():
+    assert calculator({"expression": "12*(3+4)-5"}) == "79"
+    assert calculator({"expression": "7/2"}) == "3.5"
+    assert parse_tool_calls(f"x{CALL}y") == [("calculator", {"expression": "2+3"})]
+    assert parse_tool_calls("<tool_call>{oops</tool_call>")[0].startswith("error: the tool call is not valid JSON")
+    registry = ToolRegistry([ToolConfig("calculator")])
+    for bad in ({"expression": "__import__('os')"}, {"expression": "9**9**9"}, {"expression": "1/0"}, {}):
+        result = registry.call("calculator", bad)
+        assert result.error and result.text.startswith("error:")
+    assert registry.call("nope", {}).error
+
+
+def test_mask_covers_exactly_the_tool_and_template_tokens():
+    samples = trajectories()
+    tok = tokenizer()
+    # the model's tokens are what it sampled; everything between its turns is the template's rendering of
+    # the calculator's answer, exactly Qwen3's layout
+    def inserted(calls: int) -> list[int]:
+        text = "\n<|im_start|>user" + "\n<tool_response>\n5\n</tool_response>" * calls + "<|im_end|>\n<|im_start|>assistant\n"
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    with_tools = [s for s in samples if s.tool_stats["tool_calls"] > 0]
+    assert len(with_tools) >= 3, "the random model should call the tool in a few of 32 trajectories"
+    for s in samples:
+        assert len(s.response_mask) == len(s.response_ids) == len(s.logprobs)
+        runs = segments(s.response_mask)
+        assert runs[0][0] and runs[-1][0] or len(runs) == 1 or s.finish_reason == "length"
+        model_turns = [r for r in runs if r[0]]
+        assert s.tool_stats["turns"] == len(model_turns)
+        for (_, turn_start, _), (is_model, start, stop) in zip(runs, runs[1:]):
+            if not is_model:
+                assert s.response_ids[start:stop] == inserted(s.response_ids[turn_start:start].count(CALL_ID))
+                assert all(lp == 0.0 for lp in s.logprobs[start:stop])
+                assert s.response_ids[start - 1] == EOS and CALL_ID in s.response_ids[:start]
+        for k, (_, start, stop) in enumerate(model_turns[:-1]):
+            # a turn followed by tool output ended with a stop token and held a call
+            assert s.response_ids[stop - 1] == EOS and CALL_ID in s.response_ids[start:stop]
+        assert len(s.response_ids) <= 80
+    # the reward reads the final model turn only
+    s = with_tools[0]
+    last = segments(s.response_mask)[-1]
+    assert final_turn_ids(s) == s.response_ids[last[1]:]
+    metrics = tool_metrics(samples)
+    assert metrics["tool_calls_per_response"] == sum(s.tool_stats["tool_calls"] for s in samples) / len(samples)
+    assert 0 < metrics["tool_use_frac"] < 1 and metrics["tool_errors_per_response"] == 0
+
+
+def test_model_token_logprobs_equal_a_plain_forward_of_the_trajectory():
+    """The engine continued each trajectory from its token ids; a teacher-forced transformers forward of
+    prompt + whole trajectory gives the same log-prob for every model token (temperature 1)."""
+    samples = trajectories()
+    model = engine().model
+    checked = 0
+    for s in samples:
+        if s.tool_stats["tool_calls"] == 0:
+            continue
+        prompt = PROMPTS[s.prompt_index]
+        ids = torch.tensor([prompt + s.response_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits.float(), dim=-1)[0]
+        p = len(prompt)
+        reference = logp[p - 1:-1].gather(-1, ids[0, p:, None]).squeeze(-1)
+        mask = torch.tensor(s.response_mask)
+        got = torch.tensor(s.logprobs)
+        torch.testing.assert_close(got[mask], reference[mask], atol=2e-5, rtol=0)
+        checked += 1
+    assert checked >= 3
+
+
+def test_trajectories_do_not_depend_on_the_batch_they_were_drawn_in():
+    """Turn seeds come from the trajectory's global index: the same prompt drawn alone, at its global
+    offset, gives the same trajectory (the DP layout does not change a rollout)."""
+    together = trajectories()
+    alone = agent().generate([PROMPTS[1]], 8, params(prompt_offset=1))
+    assert any(s.tool_stats["tool_calls"] for s in alone)
+    for a, b in zip(alone, together[8:16]):
+        assert a.response_ids == b.response_ids and a.response_mask == b.response_mask
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_collate_masks_tool_tokens_out_of_the_loss():
+    s = next(s for s in trajectories() if s.tool_stats["tool_calls"] > 0)
+    prompt = PROMPTS[s.prompt_index]
+    q = TrainSequence(torch.tensor(prompt + s.response_ids), len(prompt), response_mask=torch.tensor(s.response_mask),
+                      rollout_logprobs=torch.tensor(s.logprobs))
+    plain = TrainSequence(torch.tensor(prompt + s.response_ids), len(prompt), rollout_logprobs=torch.tensor(s.logprobs))
+    mb, full = collate([q]), collate([plain])
+    p = len(prompt)
+    expected = torch.zeros_like(full["loss_mask"])
+    expected[0, p - 1:p - 1 + len(s.response_ids)] = torch.tensor(s.response_mask)
+    assert torch.equal(mb["loss_mask"], expected)
+    assert q.loss_tokens == sum(s.response_mask) < q.response_len
+    for key in ("input_ids", "labels", "padding_mask", "rollout_logprobs"):
+        assert torch.equal(mb[key], full[key])
+
+
+def test_a_tool_that_raises_hangs_or_floods_is_contained():
+    tools = [ToolConfig("tests.rollout.tool_fixtures:explode", key="explode"),
+             ToolConfig("tests.rollout.tool_fixtures:hang", key="hang"),
+             ToolConfig("tests.rollout.tool_fixtures:flood", key="flood"),
+             ToolConfig("tests.rollout.tool_fixtures:echo", key="echo")]
+    registry = ToolRegistry(tools, timeout_s=1.0, max_output_chars=1000)
+    try:
+        raised = registry.call("explode", {})
+        assert raised.error and "RuntimeError: the tool blew up" in raised.text
+        hung = registry.call("hang", {})
+        assert hung.error and hung.timed_out
+        flooded = registry.call("flood", {})
+        assert flooded.truncated and not flooded.error and len(flooded.text) == 1000
+        assert registry.call("echo", {"text": "hi"}).text == "echo:hi"  # the restarted worker serves again
+        assert registry.call("echo", {"wrong": 1}).error  # a bad argument is the tool raising TypeError
+    finally:
+        registry.close()
+
+
+def test_tool_faults_in_a_rollout_become_bounded_messages_counted_in_metrics():
+    """The model calls "calculator", here a user tool that raises: every call is answered with an error
+    message (cut to max_tool_output_tokens), the trajectory goes on, and the metrics count the errors."""
+    loop = agent(tools=[ToolConfig("tests.rollout.tool_fixtures:explode", key="calculator")],
+                 max_tool_output_tokens=4)
+    try:
+        samples = loop.generate(PROMPTS, 8, params())
+        _check_error_turns(loop, samples)
+    finally:
+        loop.tools.close()
+    calls = sum(s.tool_stats["tool_calls"] for s in samples)
+    assert calls >= 3 and sum(s.tool_stats["tool_errors"] for s in samples) == calls
+    assert sum(s.tool_stats["tool_truncated"] for s in samples) == calls  # "error: RuntimeError..." > 4 tokens
+    assert tool_metrics(samples)["tool_errors_per_response"] > 0
+
+
+def _check_error_turns(loop, samples):
+    """Every answer is the tool's error message cut to 4 tokens, rendered like any tool answer."""
+    renderer = ToolTurnRenderer(tokenizer(), None, 4)
+    message, cut = renderer.bound(loop.tools.call("calculator", {"expression": "2+3"}).text)
+    assert cut and message.startswith("err")
+    for s in samples:
+        runs = segments(s.response_mask)
+        for (_, turn_start, _), (is_model, start, stop) in zip(runs, runs[1:]):
+            if not is_model:
+                calls = s.response_ids[turn_start:start].count(CALL_ID)
+                assert s.response_ids[start:stop] == renderer.render([message] * calls, "<|im_end|>")
+
+
+def test_trace_tokens_lay_out_a_warm_start_trace_like_a_rollout():
+    renderer = ToolTurnRenderer(tokenizer(), None, 8)
+    ids, mask = trace_tokens(renderer, [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "5"},
+                                        {"role": "assistant", "content": "5"}], EOS)
+    tok = tokenizer()
+    assert tok.decode(ids, skip_special_tokens=False) == (
+        CALL + "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        "5<|im_end|>")
+    runs = segments(mask)
+    assert [r[0] for r in runs] == [True, False, True] and runs[0][2] == 2 and runs[2][2] - runs[2][1] == 2
+
+
+def test_sglang_continues_trajectories_from_input_ids_with_per_trajectory_seeds():
+    """The same loop on the SGLang engine (against the local stand-in server, NOT SGLang): a later turn is
+    a /generate request whose input_ids are the trajectory so far, seeded by the trajectory's own index."""
+    from gspo_megatron.rollout.agent_loop import turn_seed
+    from gspo_megatron.rollout.sampling import sample_seed
+    from tests.rollout.sglang_standin import StandinServer, StandinState
+    from tests.rollout.test_sglang_engine import _attach
+
+    with StandinServer(StandinState(vocab=len(SPECIALS) + len(CHARS))) as srv:
+        loop = AgentLoop(_attach([srv], prompts_per_request=64), agent().config, tokenizer(), None,
+                         stop_token_ids=[EOS])
+        try:
+            samples = loop.generate(PROMPTS, 8, params())
+        finally:
+            loop.shutdown()
+        requests = [(ids, sp["sampling_seed"]) for body in srv.bodies("/generate")
+                    for ids, sp in zip(body["input_ids"], body["sampling_params"])]
+    with_tools = [(k, s) for k, s in enumerate(samples) if s.tool_stats["tool_calls"] > 0]
+    assert len(with_tools) >= 2
+    for k, s in with_tools:
+        runs = segments(s.response_mask)
+        second_turn = runs[2][1] if len(runs) > 2 else len(s.response_ids)
+        context = PROMPTS[s.prompt_index] + s.response_ids[:second_turn]
+        assert (context, sample_seed(turn_seed(7, 1), k, 0)) in requests
+        assert s.response_ids[second_turn:second_turn + 1] in ([context[-1]], [])  # the stand-in echoes it
+
+
+@pytest.mark.timeout(600)
+def test_the_overlap_engine_process_runs_the_same_trajectories():
+    """Overlap mode runs the agent loop inside the engine process (EngineSpec.agent): same weights, same
+    seeds, the same trajectories, masks and tool counters as the in-process loop."""
+    from gspo_megatron.rollout.agent_loop import AgentSpec
+    from gspo_megatron.rollout.process_engine import EngineSpec, ProcessRolloutEngine
+
+    spec = AgentSpec(agent().config, tokenizer(), None, (EOS,))
+    child = ProcessRolloutEngine(EngineSpec(engine().model.config, init_seed=3, agent=spec))
+    try:
+        result = child.result(child.submit(PROMPTS, 8, params()))
+    finally:
+        child.shutdown()
+    for a, b in zip(result.samples, trajectories()):
+        assert a.response_ids == b.response_ids and a.response_mask == b.response_mask
+        assert a.tool_stats == b.tool_stats
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

@@ -1,0 +1,20 @@
+"""User tools for the multi-turn tests (loaded by ``module:function`` like user rewards, in the tool worker)."""
+import time
+
+
+def echo(text: str) -> str:
+    return f"echo:{text}"
+
+
+def explode(**_arguments) -> str:
+    raise RuntimeError("the tool blew up")
+
+
+def hang(**_arguments) -> str:
+    time.sleep(600)
+    return "never"
+
+
+def flood(**_arguments) -> str:
+    print("noise on the tool's stdout must not corrupt the worker's replies")
+    return "x" * 5_000_000
