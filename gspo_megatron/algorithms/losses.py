@@ -484,7 +484,19 @@ class _ClipInputs:
     dual_clip: float | None = None
 
 
-class _ClippedTokenLoss(torch.autograd.Function):
+class _SavedCoefficientLoss(torch.autograd.Function):
+    """A reduced token loss whose forward saved d loss / d x as ``coef`` (the one per-token tensor kept) and
+    the input's shape and dtype as ``ctx.x_meta``: backward scales it by the incoming scalar."""
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: Tensor):
+        (coef,) = ctx.saved_tensors
+        shape, dtype = ctx.x_meta
+        return _as_input(coef * grad_loss, shape, dtype), None, None
+
+
+class _ClippedTokenLoss(_SavedCoefficientLoss):
     """The reduced token-level clipped objective as one op (GSPO-token, GRPO):
 
         loss = scale-reduction of  l_t = -w_t min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t)  (0 off the mask)
@@ -564,13 +576,6 @@ class _ClippedTokenLoss(torch.autograd.Function):
         ctx.x_meta = (x.shape, x.dtype)
         return scale.reduce(acc)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss: Tensor):
-        (coef,) = ctx.saved_tensors
-        shape, dtype = ctx.x_meta
-        return _as_input(coef * grad_loss, shape, dtype), None, None
-
 
 def _as_input(grad: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
     """A flat gradient in the input's shape and dtype; not a view when the shape already fits, so
@@ -625,7 +630,7 @@ class _TermInputs:
     scale: TokenScale
 
 
-class _TokenTermLoss(torch.autograd.Function):
+class _TokenTermLoss(_SavedCoefficientLoss):
     """loss = scale-reduction of l_t = -w_t o(r_t, A_t) (0 off the mask) for a closed-form per-token
     objective o (SAPO's gate, CISPO's clipped weight), as one op like ``_ClippedTokenLoss``: the kernel
     gives o and d o / d log pi_theta(y_t) chunk by chunk, forward saves the scaled derivative (the one
@@ -671,13 +676,6 @@ class _TokenTermLoss(torch.autograd.Function):
             ctx.save_for_backward(coef)
         ctx.x_meta = (x.shape, x.dtype)
         return scale.reduce(acc)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss: Tensor):
-        (coef,) = ctx.saved_tensors
-        shape, dtype = ctx.x_meta
-        return _as_input(coef * grad_loss, shape, dtype), None, None
 
 
 def _term_loss(

@@ -200,11 +200,7 @@ class ContextParallelSDPAttention(SDPAttention):
                              "into a row and pass their block-diagonal causal mask over the whole row")
         if attention_bias is not None:
             raise ValueError(f"{_THIS}: attention_bias is not supported")
-        if query.shape[2] != self.num_attention_heads_per_partition or \
-                key.shape[2] != self.num_query_groups_per_partition:
-            raise ValueError(f"{_THIS}: expected {self.num_attention_heads_per_partition} query heads and "
-                             f"{self.num_query_groups_per_partition} key/value groups on this TP rank, got "
-                             f"query {tuple(query.shape)}, key {tuple(key.shape)}")
+        self._check_heads(query, key)
         dropout_p = self.attention_dropout.p if self.training else 0.0
         if dropout_p == 0.0 or self.config.sequence_parallel:
             return cp_core_attention(query, key, value, attention_mask, self.sdpa_scale, self.cp_group, dropout_p)

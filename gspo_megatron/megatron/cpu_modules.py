@@ -125,6 +125,14 @@ class SDPAttention(DotProductAttention):
         coeff = self.layer_number if config.apply_query_key_layer_scaling else 1
         self.sdpa_scale = self.softmax_scale * coeff
 
+    def _check_heads(self, query, key) -> None:
+        """This TP rank's share of the heads, as Megatron's attention hands them over."""
+        if query.shape[2] != self.num_attention_heads_per_partition or \
+                key.shape[2] != self.num_query_groups_per_partition:
+            raise ValueError(f"{_THIS}: expected {self.num_attention_heads_per_partition} query heads and "
+                             f"{self.num_query_groups_per_partition} key/value groups on this TP rank, got "
+                             f"query {tuple(query.shape)}, key {tuple(key.shape)}")
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         """query [sq, b, np, hn], key / value [sk, b, ng, hn] -> context [sq, b, np * hn]."""
@@ -133,11 +141,7 @@ class SDPAttention(DotProductAttention):
                              "(packed_seq_params); pass padded [b, s] batches")
         if attention_bias is not None:
             raise ValueError(f"{_THIS}: SDPAttention does not support attention_bias")
-        if query.shape[2] != self.num_attention_heads_per_partition or \
-                key.shape[2] != self.num_query_groups_per_partition:
-            raise ValueError(f"{_THIS}: expected {self.num_attention_heads_per_partition} query heads and "
-                             f"{self.num_query_groups_per_partition} key/value groups on this TP rank, got "
-                             f"query {tuple(query.shape)}, key {tuple(key.shape)}")
+        self._check_heads(query, key)
         dropout_p = self.attention_dropout.p if self.training else 0.0
         default_causal = self.attn_mask_type == AttnMaskType.causal
         if dropout_p == 0.0:
