@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import sys
 import threading
@@ -28,6 +29,7 @@ from gspo_megatron.rollout.ahead import SubmittedGenerations
 from gspo_megatron.rollout.base import RolloutEngine, Sample, SamplingParams
 from gspo_megatron.rollout.process_engine import GenerationResult
 from gspo_megatron.rollout.sglang_config import MEMORY_TAGS, SGLangConfig
+from gspo_megatron.rollout.sglang_cpu import cpu_server_env, libcuda_standin_dir
 from gspo_megatron.rollout.sglang_http import (RetriesExhausted, RetryPolicy, ServerBusy, ServerRejected,
                                                ServerUnreachable, call_with_retry, request)
 from gspo_megatron.rollout.sglang_protocol import (ServerInfo, build_generate_request, launch_command, launch_env,
@@ -752,9 +754,10 @@ def launch_servers(cfg: SGLangConfig, *, command_for: Callable[[int], list[str]]
     python = launch.python or sys.executable
     make = command_for or (lambda i: launch_command(launch, i, python))
     connect_host = "127.0.0.1" if launch.host == "0.0.0.0" else launch.host  # a server on all interfaces
+    device_env = cpu_server_env(libcuda_standin_dir(), os.environ) if launch.device == "cpu" else None
     processes = [ServerProcess(make(i), f"http://{connect_host}:{launch.base_port + i}",
                                Path(launch.log_dir) / f"sglang-{launch.host}-{launch.base_port + i}.log",
-                               env=launch_env(launch), startup_timeout_s=launch.startup_timeout_s,
+                               env=launch_env(launch, device_env), startup_timeout_s=launch.startup_timeout_s,
                                poll_s=launch.health_poll_s)
                  for i in range(launch.servers)]
     # spawned from this thread, so that they die with it (ServerProcess.spawn); the health waits run in parallel
