@@ -97,6 +97,9 @@ class SGLangLaunchConfig:
             check(not self.enable_return_routed_experts, f"{path}.enable_return_routed_experts",
                   f"must be false {cpu}: the server dies at start-up (its host-pool allocator has no CPU entry), "
                   "so routing replay r3 needs GPU servers; r2 works with any engine")
+            check(self.tp_size == 1 and self.dp_size == 1, f"{path}.tp_size",
+                  f"tp_size and dp_size must be 1 {cpu} (one process per server; SGLang binds each CPU rank to a "
+                  f"NUMA node of its own); got {self.tp_size} x {self.dp_size}, start more servers instead")
             check(not self.enable_deterministic_inference, f"{path}.enable_deterministic_inference",
                   f"must be false {cpu}: SGLang refuses it for the torch_native attention backend")
 

@@ -47,7 +47,8 @@ def libcuda_standin_dir(environ: Mapping[str, str] = os.environ) -> Path:
     library = folder / LIBRARY_NAME
     if library.is_file():
         return folder
-    compiler = environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    # $CC when set (and then only it), else cc, else gcc
+    compiler = shutil.which(environ["CC"]) if environ.get("CC") else shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise CPUServerSetupError(
             "rollout.sglang.launch.device: cpu needs a C compiler (cc or gcc, or $CC) to build the stand-in "

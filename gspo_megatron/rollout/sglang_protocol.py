@@ -252,7 +252,9 @@ def launch_command(cfg: SGLangLaunchConfig, server_index: int, python: str) -> l
            "--model-path", cfg.model_path,
            "--host", cfg.host, "--port", str(cfg.base_port + server_index),
            "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size), "--ep-size", str(cfg.ep_size),
-           "--base-gpu-id", str(cfg.base_gpu_id + server_index * gpus),
+           # CPU: SGLang derives the NUMA node to bind threads to from the GPU id (srt/utils/numa_utils.py),
+           # and asserts it exists; every CPU server uses node 0, the only one on a laptop.
+           "--base-gpu-id", str(0 if cfg.device == "cpu" else cfg.base_gpu_id + server_index * gpus),
            "--mem-fraction-static", str(cfg.mem_fraction_static),
            "--dtype", cfg.dtype, "--load-format", cfg.load_format,
            "--log-level", cfg.log_level]

@@ -82,6 +82,11 @@ class ServerProcess:
         self.starts = 0
         self._proc: subprocess.Popen | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The leader's pid, which is also the process group id of the server and its children."""
+        return None if self._proc is None else self._proc.pid
+
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

@@ -28,7 +28,7 @@ needs_sglang = [
 ]
 
 
-def save_model(path: Path, *, moe: bool, dtype: torch.dtype = torch.float32) -> Path:
+def save_model(path: Path, *, moe: bool, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
     """A tiny random Qwen3 (or Qwen3-MoE: 4 experts, top-2) saved as a HF folder, no tokenizer (the
     servers run with --skip-tokenizer-init and take token ids)."""
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -36,7 +36,7 @@ def save_model(path: Path, *, moe: bool, dtype: torch.dtype = torch.float32) -> 
     common = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=64, max_position_embeddings=CONTEXT, tie_word_embeddings=False,
                   eos_token_id=EOS, bos_token_id=EOS)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     if moe:
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=64, num_experts=4,
                                                    num_experts_per_tok=2, decoder_sparse_step=1, **common))
