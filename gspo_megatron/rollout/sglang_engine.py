@@ -751,7 +751,7 @@ def launch_servers(cfg: SGLangConfig, *, command_for: Callable[[int], list[str]]
     """Start ``cfg.launch.servers`` servers concurrently and wait until all are healthy; on any failure
     stop the ones started and raise. ``command_for(i)`` replaces the SGLang command (tests start stand-ins)."""
     launch = cfg.launch
-    python = launch.python or sys.executable
+    python = os.path.expanduser(launch.python) if launch.python else sys.executable  # '~/...' in YAML
     make = command_for or (lambda i: launch_command(launch, i, python))
     connect_host = "127.0.0.1" if launch.host == "0.0.0.0" else launch.host  # a server on all interfaces
     device_env = cpu_server_env(libcuda_standin_dir(), os.environ) if launch.device == "cpu" else None

@@ -155,7 +155,7 @@ class Trainer:
         # posts the weights: trainer/rollout_setup.py (docs/rollout.md, "Several trainer ranks").
         if self._sglang_rank is not None:
             return self._sglang_rank.build_engine()  # a rebuild: relaunch on the launching rank, else re-attach
-        self._sglang_rank, engine = connect_sglang(self.config.rollout.sglang, os.environ)
+        self._sglang_rank, engine = connect_sglang(self.config.rollout.sglang, os.environ, self.model_config)
         return engine
 
     def _initialise_weights(self) -> None:
