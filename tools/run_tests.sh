@@ -25,6 +25,7 @@ PY312_SUBSET=(
 # Real servers start once per test class (35-170 s each, ~3.7 GB; at most two at a time).
 SGLANG_SUBSET=(
   tests/rollout/test_sglang_cpu_server.py
+  tests/trainer/test_sglang_cpu_train.py
 )
 
 legs=${GSPO_LEGS:-py311 py312 sglang}
