@@ -539,9 +539,16 @@ class SGLangEngine(RolloutEngine):
                 self._sync_post(target, "/update_weights_from_tensor",
                                 update_from_tensor_body(payloads, flush_cache=flush, weight_version=weight_version))
             return
-        # One process feeds every server: each TP rank opens the same IPC handles (peer access, one node).
-        self._map(lambda s: self._sync_post(s, "/update_weights_from_tensor", update_from_tensor_body(
-            [payload] * s.info.tp_size, flush_cache=flush, weight_version=weight_version)), self._posting_targets())
+        # One process feeds every server: each TP rank opens the same tensors (CUDA IPC peer access, one node),
+        # from a payload pickled for it alone: a CPU tensor's shared-memory segment counts one reference per
+        # pickle and each opener gives one back, so a payload opened twice would unlink the segment while the
+        # trainer still shares it, and the next sync of that storage finds no file (met against SGLang 0.5.23).
+        targets = self._posting_targets()
+        fresh = iter([payload])  # the first receiver takes the payload built above
+        bodies = {id(s): update_from_tensor_body(
+            [next(fresh, None) or serialize_named_tensors(bucket) for _ in range(s.info.tp_size)],
+            flush_cache=flush, weight_version=weight_version) for s in targets}
+        self._map(lambda s: self._sync_post(s, "/update_weights_from_tensor", bodies[id(s)]), targets)
 
     def _push_distributed_bucket(self, bucket: NamedTensors, *, flush: bool, weight_version: str | None) -> None:
         self._ensure_group()

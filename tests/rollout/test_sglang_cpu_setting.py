@@ -89,3 +89,30 @@ def test_cpu_tensor_payload_opens_in_a_process_that_is_not_our_child():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["w", str(float(tensor.sum())), "(3,", "4)"]
     assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"  # restored after the dump
+
+
+def test_cpu_tensor_sync_to_two_servers_twice_leaves_the_shared_memory_openable():
+    """One process feeding two servers pickles each payload for one receiver: every opener gives back one
+    reference of the shared-memory segment, so one payload opened by two servers unlinked it while the
+    trainer still shared the tensor, and the next sync of that tensor found no file (SGLang 0.5.23's
+    scheduler died on it). A fresh interpreter opens every posted payload, in posting order."""
+    import json
+
+    from gspo_megatron.rollout.sglang_engine import SGLangEngine
+    from tests.rollout.sglang_standin import StandinServer, StandinState
+
+    weight = torch.randn(64, 32)
+    with StandinServer(StandinState()) as a, StandinServer(StandinState()) as b:
+        cfg = build(SGLangConfig, {"urls": [a.url, b.url], "release_memory": False}, "rollout.sglang")
+        with SGLangEngine.from_config(cfg) as engine:
+            for _ in range(2):
+                engine.update_weights([("w", weight)], final=True)
+                payloads = [body["serialized_named_tensors"][0] for srv in (a, b)
+                            for body in srv.bodies("/update_weights_from_tensor")[-1:]]
+                reader = ("import gc, json, sys; from gspo_megatron.rollout.sglang_weight_sync import "
+                          "deserialize_named_tensors as d\nfor p in json.loads(sys.stdin.read()):\n"
+                          "    [(n, t)] = d(p); print(float(t.sum())); del t; gc.collect()")
+                out = subprocess.run([sys.executable, "-c", reader], input=json.dumps(payloads), capture_output=True,
+                                     text=True, timeout=120)
+                assert out.returncode == 0, out.stderr[-1500:]
+                assert [float(v) for v in out.stdout.split()] == [pytest.approx(float(weight.sum()), rel=1e-5)] * 2
