@@ -6,6 +6,8 @@ parent *thread*, so each kind of child sets it differently:
 
 * a command we exec (torchrun, an SGLang server): ``wrap_command`` runs it through this module, which sets
   the signal, checks that the parent is still there, and execs the real command (same pid);
+* a command whose own children do not die with it (SGLang's detokenizer): it runs in its own session and
+  ``group_keeper_command`` starts a keeper beside it that SIGKILLs that group when we die;
 * a fresh interpreter of ours (the reward workers): ``die_with_parent(parent_pid)`` first thing;
 * a ``fork`` of a training rank (Megatron's checkpoint writers in ``FileSystemWriterAsync.
   write_preloaded_data_multiproc``): ``kill_forked_children_with_parent()`` sets it in every forked child
@@ -206,8 +208,44 @@ def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = 
     return 128 - code if code < 0 else code
 
 
+GROUP_KEEPER_SIGNAL = signal.SIGUSR1
+
+
+def group_keeper_command(pgid: int) -> list[str]:
+    """A process that SIGKILLs process group ``pgid`` when the calling thread dies, even by SIGKILL. For a
+    command started in its own session whose children do not die with their parent (SGLang's
+    detokenizer and multiprocessing resource tracker), which the leader's parent death signal alone
+    leaves behind. The owner SIGKILLs the keeper when it stops the group itself."""
+    return [sys.executable, "-m", "gspo_megatron.processes", "--keep-group", str(pgid), str(os.getpid())]
+
+
+def keep_group(pgid: int, parent_pid: int) -> None:
+    """Body of ``group_keeper_command``: wait for the parent's death, then kill group ``pgid``."""
+
+    def kill_group(_signum=None, _frame=None):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the group ended by itself
+        os._exit(0)
+
+    # The keeper shares the owner's process group: a Ctrl-C there is for the owner, whose death then
+    # triggers the keeper. Only the parent death signal (SIGUSR1, set below) makes it act.
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(GROUP_KEEPER_SIGNAL, kill_group)
+    set_parent_death_signal(GROUP_KEEPER_SIGNAL)
+    if os.getppid() != parent_pid:  # the parent died before the signal was set
+        kill_group()
+    while True:
+        signal.pause()
+
+
 def main(argv: list[str]) -> None:
-    """``python -m gspo_megatron.processes PARENT_PID -- COMMAND...``: die with PARENT_PID, exec COMMAND."""
+    """``python -m gspo_megatron.processes PARENT_PID -- COMMAND...``: die with PARENT_PID, exec COMMAND.
+    ``python -m gspo_megatron.processes --keep-group PGID PARENT_PID``: see ``group_keeper_command``."""
+    if len(argv) == 3 and argv[0] == "--keep-group":
+        keep_group(int(argv[1]), int(argv[2]))
     if len(argv) < 3 or argv[1] != "--":
         raise SystemExit("usage: python -m gspo_megatron.processes PARENT_PID -- COMMAND [ARGS...]")
     die_with_parent(int(argv[0]))

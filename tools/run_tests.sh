@@ -3,7 +3,10 @@
 #   1. Python 3.11 / megatron-core 0.16.1 (.venv): the whole suite, with a local Slurm for the slurm tests;
 #   2. Python 3.12 / megatron-core 0.19.2 (.venv312, cached): PY312_SUBSET below, the tests that exercise
 #      Megatron-Core itself (the newest end of the supported range, docs/cpu-runtime.md).
-# Extra arguments go to pytest in both legs. GSPO_LEGS=py311 or GSPO_LEGS=py312 runs one leg only.
+#   3. sglang: the tests against real SGLang 0.5.23 servers on CPU (SGLANG_SUBSET below, marked `sglang`;
+#      they skip in the other legs). The servers' venv lives in the cache folder (tools/setup_env.sh sglang,
+#      ~9 min on a fresh machine, then reused); the tests run in .venv and launch the servers from it.
+# Extra arguments go to pytest in every leg. GSPO_LEGS=py311 (or py312, sglang, or several) runs those only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +22,13 @@ PY312_SUBSET=(
   tests/trainer/test_train_e2e.py
 )
 
-legs=${GSPO_LEGS:-py311 py312}
+# Real servers start once per test class (35-170 s each, ~3.7 GB; at most two at a time).
+SGLANG_SUBSET=(
+  tests/rollout/test_sglang_cpu_server.py
+  tests/trainer/test_sglang_cpu_train.py
+)
+
+legs=${GSPO_LEGS:-py311 py312 sglang}
 status=0
 for leg in $legs; do
   start=$SECONDS
@@ -53,8 +62,13 @@ for leg in $legs; do
       bash tools/setup_env.sh py312
       .venv312/bin/python -m pytest "$@" "${PY312_SUBSET[@]}" || status=$?
       ;;
+    sglang)
+      bash tools/setup_env.sh py311
+      sglang_python=$(bash tools/setup_env.sh sglang)
+      GSPO_SGLANG_PYTHON=$sglang_python .venv/bin/python -m pytest "$@" "${SGLANG_SUBSET[@]}" || status=$?
+      ;;
     *)
-      echo "tools/run_tests.sh: unknown leg '$leg' in GSPO_LEGS (expected py311 and/or py312)" >&2
+      echo "tools/run_tests.sh: unknown leg '$leg' in GSPO_LEGS (expected py311, py312, sglang)" >&2
       exit 2
       ;;
   esac

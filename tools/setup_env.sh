@@ -6,10 +6,33 @@
 #   bash tools/setup_env.sh py312      .venv312 on Python 3.12.1: the registry's torch (a CUDA build that
 #                                      runs on CPU, ~3 GB, cached in the venv), megatron-core 0.19.2
 #
+#   bash tools/setup_env.sh sglang      the SGLang server's own venv (python3.11, sglang==$GSPO_SGLANG_VERSION,
+#                                      default 0.5.23; ~9 min, ~11 GB) in ${GSPO_CACHE_DIR:-~/.cache/gspo-megatron}/
+#                                      sglang-<version>, outside the clone, kept across clones; prints its python
+#
 # Overrides: PYTHON (interpreter), GSPO_TORCH_VERSION, GSPO_MEGATRON_CORE (a version inside setup.py's range).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 leg=${1:-py311}
+if [ "$leg" = sglang ]; then
+  # Its torch (2.14.1, a CUDA build that runs on CPU) and transformers pins clash with ours, so the servers
+  # get a venv of their own (rollout.sglang.launch.python points at it); the marker says it is complete.
+  version=${GSPO_SGLANG_VERSION:-0.5.23}
+  venv=${GSPO_CACHE_DIR:-$HOME/.cache/gspo-megatron}/sglang-$version
+  if [ ! -f "$venv/.gspo-installed" ]; then
+    # installed in place (a venv cannot be moved); without the marker a half-done one is started over
+    echo "tools/setup_env.sh: installing sglang==$version into $venv (about 9 minutes, 11 GB)" >&2
+    rm -rf "$venv"
+    mkdir -p "$(dirname "$venv")"
+    "${PYTHON:-python3.11}" -m venv "$venv"
+    "$venv/bin/python" -m pip install --upgrade pip >&2
+    # one line per package, so a long install shows where it is
+    "$venv/bin/python" -m pip install --progress-bar off "sglang==$version" >&2
+    touch "$venv/.gspo-installed"
+  fi
+  echo "$venv/bin/python"
+  exit 0
+fi
 case "$leg" in
   py311)
     venv=.venv

@@ -15,10 +15,16 @@ from typing import Literal
 from gspo_megatron.typed_config import check
 
 WeightSyncMode = Literal["tensor", "distributed", "disk"]
+LaunchDevice = Literal["cuda", "cpu"]
 RouterKind = Literal["round_robin", "least_loaded"]
 
 # SGLang's memory-occupation tags (python/sglang/srt/constants.py: GPU_MEMORY_TYPE_*).
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+# launch.device: cpu. The flags SGLang 0.5.23's CPU server ran with here (docs/rollout.md, "SGLang on CPU"):
+# torch-native attention (the CPU kernels need AMX), no CUDA graphs. Without a token budget the CPU server
+# reserves 5.5 GB of KV cache; 8192 tokens are plenty for small models on a laptop.
+CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph")
+CPU_MAX_TOTAL_TOKENS = 8192
 
 
 @dataclasses.dataclass
@@ -35,11 +41,16 @@ class SGLangLaunchConfig:
     host: str = "127.0.0.1"
     base_port: int = 30000
     mem_fraction_static: float = 0.8
+    # cpu: SGLang's CPU server (SGLANG_USE_CPU_ENGINE, torch-native attention, the stand-in libcuda.so.1
+    # of rollout/sglang_cpu.py); what that server cannot do is refused by validate, naming the setting.
+    device: LaunchDevice = "cuda"
+    # The KV cache's size in tokens (--max-total-tokens); 0: SGLang's own on cuda, CPU_MAX_TOTAL_TOKENS on cpu.
+    max_total_tokens: int = 0
     dtype: str = "auto"
     # 'dummy' starts from random weights: right when the trainer pushes weights before the first rollout.
     load_format: str = "auto"
-    # Needed by release_memory / resume_memory (colocated mode).
-    enable_memory_saver: bool = True
+    # Needed by release_memory / resume_memory (colocated mode); None: on with device cuda, off with cpu.
+    enable_memory_saver: bool | None = None
     # We send and receive token ids only; no tokenizer work in the server.
     skip_tokenizer_init: bool = True
     enable_return_routed_experts: bool = False
@@ -59,6 +70,14 @@ class SGLangLaunchConfig:
     def gpus_per_server(self) -> int:
         return self.tp_size * self.dp_size
 
+    def memory_saver(self) -> bool:
+        """Whether the servers start with --enable-memory-saver (see enable_memory_saver)."""
+        return self.device == "cuda" if self.enable_memory_saver is None else self.enable_memory_saver
+
+    def kv_tokens(self) -> int:
+        """--max-total-tokens to pass, 0 for none (see max_total_tokens)."""
+        return self.max_total_tokens or (CPU_MAX_TOTAL_TOKENS if self.device == "cpu" else 0)
+
     def validate(self, path: str) -> None:
         check(bool(self.model_path), f"{path}.model_path", "must name a HF model folder")
         for name in ("servers", "tp_size", "dp_size", "ep_size"):
@@ -69,6 +88,20 @@ class SGLangLaunchConfig:
               f"must be in (0, 1), got {self.mem_fraction_static}")
         check(self.startup_timeout_s > 0, f"{path}.startup_timeout_s", "must be > 0")
         check(self.health_poll_s > 0, f"{path}.health_poll_s", "must be > 0")
+        check(self.max_total_tokens >= 0, f"{path}.max_total_tokens", f"must be >= 0, got {self.max_total_tokens}")
+        if self.device == "cpu":
+            # Each fails inside SGLang 0.5.23's CPU server (measured, docs/rollout.md "SGLang on CPU").
+            cpu = f"with {path}.device: cpu"
+            check(self.enable_memory_saver is not True, f"{path}.enable_memory_saver",
+                  f"must be false or unset {cpu}: torch_memory_saver goes through CUDA and the server dies at start-up")
+            check(not self.enable_return_routed_experts, f"{path}.enable_return_routed_experts",
+                  f"must be false {cpu}: the server dies at start-up (its host-pool allocator has no CPU entry), "
+                  "so routing replay r3 needs GPU servers; r2 works with any engine")
+            check(self.tp_size == 1 and self.dp_size == 1, f"{path}.tp_size",
+                  f"tp_size and dp_size must be 1 {cpu} (one process per server; SGLang binds each CPU rank to a "
+                  f"NUMA node of its own); got {self.tp_size} x {self.dp_size}, start more servers instead")
+            check(not self.enable_deterministic_inference, f"{path}.enable_deterministic_inference",
+                  f"must be false {cpu}: SGLang refuses it for the torch_native attention backend")
 
 
 @dataclasses.dataclass
@@ -129,6 +162,14 @@ class SGLangConfig:
             # dp_size == 1 (tokenizer_control_mixin.py:451) and 0.5.9 joins only tp_size ranks per server.
             check(self.launch.dp_size == 1, f"{path}.launch.dp_size",
                   f"must be 1 with weight_sync '{self.weight_sync}' (start more servers instead of DP inside one)")
+        if self.launch is not None and self.launch.device == "cpu":
+            cpu = f"with {path}.launch.device: cpu"
+            check(not (self.weight_sync == "tensor" and self.release_memory), f"{path}.release_memory",
+                  f"must be false {cpu}: /release_memory_occupation crashes the CPU server (it synchronizes a CUDA "
+                  "device)")
+            check(self.weight_sync != "distributed", f"{path}.weight_sync",
+                  f"'distributed' is not supported {cpu} (the weight-update group is NCCL, GPU to GPU); use 'tensor' "
+                  "(shared memory on one machine) or 'disk'")
         for name in ("request_timeout_s", "admin_timeout_s", "health_timeout_s", "attach_timeout_s",
                      "backoff_max_s", "retry_deadline_s"):
             check(getattr(self, name) > 0, f"{path}.{name}", f"must be > 0, got {getattr(self, name)}")
@@ -141,5 +182,5 @@ class SGLangConfig:
         check(self.routed_experts_top_k >= 0, f"{path}.routed_experts_top_k", "must be >= 0")
 
 
-__all__ = ["MEMORY_TAGS", "SGLangConfig", "SGLangDistributedSyncConfig", "SGLangLaunchConfig",
+__all__ = ["CPU_FLAGS", "CPU_MAX_TOTAL_TOKENS", "LaunchDevice", "MEMORY_TAGS", "SGLangConfig", "SGLangDistributedSyncConfig", "SGLangLaunchConfig",
            "RouterKind", "WeightSyncMode"]

@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import sys
 import threading
@@ -28,6 +29,7 @@ from gspo_megatron.rollout.ahead import SubmittedGenerations
 from gspo_megatron.rollout.base import RolloutEngine, Sample, SamplingParams
 from gspo_megatron.rollout.process_engine import GenerationResult
 from gspo_megatron.rollout.sglang_config import MEMORY_TAGS, SGLangConfig
+from gspo_megatron.rollout.sglang_cpu import cpu_server_env, libcuda_standin_dir
 from gspo_megatron.rollout.sglang_http import (RetriesExhausted, RetryPolicy, ServerBusy, ServerRejected,
                                                ServerUnreachable, call_with_retry, request)
 from gspo_megatron.rollout.sglang_protocol import (ServerInfo, build_generate_request, launch_command, launch_env,
@@ -537,9 +539,16 @@ class SGLangEngine(RolloutEngine):
                 self._sync_post(target, "/update_weights_from_tensor",
                                 update_from_tensor_body(payloads, flush_cache=flush, weight_version=weight_version))
             return
-        # One process feeds every server: each TP rank opens the same IPC handles (peer access, one node).
-        self._map(lambda s: self._sync_post(s, "/update_weights_from_tensor", update_from_tensor_body(
-            [payload] * s.info.tp_size, flush_cache=flush, weight_version=weight_version)), self._posting_targets())
+        # One process feeds every server: each TP rank opens the same tensors (CUDA IPC peer access, one node),
+        # from a payload pickled for it alone: a CPU tensor's shared-memory segment counts one reference per
+        # pickle and each opener gives one back, so a payload opened twice would unlink the segment while the
+        # trainer still shares it, and the next sync of that storage finds no file (met against SGLang 0.5.23).
+        targets = self._posting_targets()
+        fresh = iter([payload])  # the first receiver takes the payload built above
+        bodies = {id(s): update_from_tensor_body(
+            [next(fresh, None) or serialize_named_tensors(bucket) for _ in range(s.info.tp_size)],
+            flush_cache=flush, weight_version=weight_version) for s in targets}
+        self._map(lambda s: self._sync_post(s, "/update_weights_from_tensor", bodies[id(s)]), targets)
 
     def _push_distributed_bucket(self, bucket: NamedTensors, *, flush: bool, weight_version: str | None) -> None:
         self._ensure_group()
@@ -749,12 +758,13 @@ def launch_servers(cfg: SGLangConfig, *, command_for: Callable[[int], list[str]]
     """Start ``cfg.launch.servers`` servers concurrently and wait until all are healthy; on any failure
     stop the ones started and raise. ``command_for(i)`` replaces the SGLang command (tests start stand-ins)."""
     launch = cfg.launch
-    python = launch.python or sys.executable
+    python = os.path.expanduser(launch.python) if launch.python else sys.executable  # '~/...' in YAML
     make = command_for or (lambda i: launch_command(launch, i, python))
     connect_host = "127.0.0.1" if launch.host == "0.0.0.0" else launch.host  # a server on all interfaces
+    device_env = cpu_server_env(libcuda_standin_dir(), os.environ) if launch.device == "cpu" else None
     processes = [ServerProcess(make(i), f"http://{connect_host}:{launch.base_port + i}",
                                Path(launch.log_dir) / f"sglang-{launch.host}-{launch.base_port + i}.log",
-                               env=launch_env(launch), startup_timeout_s=launch.startup_timeout_s,
+                               env=launch_env(launch, device_env), startup_timeout_s=launch.startup_timeout_s,
                                poll_s=launch.health_poll_s)
                  for i in range(launch.servers)]
     # spawned from this thread, so that they die with it (ServerProcess.spawn); the health waits run in parallel

@@ -15,7 +15,7 @@ import torch
 
 from gspo_megatron.rollout.base import FinishReason, Sample, SamplingParams
 from gspo_megatron.rollout.sampling import sample_seed  # re-exported: shared with the transformers engine
-from gspo_megatron.rollout.sglang_config import SGLangLaunchConfig
+from gspo_megatron.rollout.sglang_config import CPU_FLAGS, SGLangLaunchConfig
 
 
 class SGLangProtocolError(ValueError):
@@ -252,11 +252,17 @@ def launch_command(cfg: SGLangLaunchConfig, server_index: int, python: str) -> l
            "--model-path", cfg.model_path,
            "--host", cfg.host, "--port", str(cfg.base_port + server_index),
            "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size), "--ep-size", str(cfg.ep_size),
-           "--base-gpu-id", str(cfg.base_gpu_id + server_index * gpus),
+           # CPU: SGLang derives the NUMA node to bind threads to from the GPU id (srt/utils/numa_utils.py),
+           # and asserts it exists; every CPU server uses node 0, the only one on a laptop.
+           "--base-gpu-id", str(0 if cfg.device == "cpu" else cfg.base_gpu_id + server_index * gpus),
            "--mem-fraction-static", str(cfg.mem_fraction_static),
            "--dtype", cfg.dtype, "--load-format", cfg.load_format,
            "--log-level", cfg.log_level]
-    if cfg.enable_memory_saver:
+    if cfg.device == "cpu":
+        cmd += CPU_FLAGS
+    if cfg.kv_tokens():
+        cmd += ["--max-total-tokens", str(cfg.kv_tokens())]
+    if cfg.memory_saver():
         cmd.append("--enable-memory-saver")
     if cfg.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
@@ -269,9 +275,10 @@ def launch_command(cfg: SGLangLaunchConfig, server_index: int, python: str) -> l
     return cmd + list(cfg.extra_args)
 
 
-def launch_env(cfg: SGLangLaunchConfig) -> dict[str, str]:
-    """Extra environment of a launched server (on top of the trainer's)."""
-    env = dict(cfg.env)
+def launch_env(cfg: SGLangLaunchConfig, device_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Extra environment of a launched server (on top of the trainer's): ``device_env`` (a CPU server's,
+    rollout/sglang_cpu.cpu_server_env), then the user's ``launch.env``, which wins."""
+    env = {**(device_env or {}), **cfg.env}
     if cfg.return_original_logprob:
         env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # srt/layers/sampler.py: log-probs before temperature
     return env

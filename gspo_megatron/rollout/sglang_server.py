@@ -16,7 +16,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Callable, Sequence
 
-from gspo_megatron.processes import wrap_command
+from gspo_megatron.processes import group_keeper_command, wrap_command
 from gspo_megatron.rollout.sglang_http import SGLangHTTPError, request
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,12 @@ class ServerProcess:
         self.health_path = health_path
         self.starts = 0
         self._proc: subprocess.Popen | None = None
+        self._keeper: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The leader's pid, which is also the process group id of the server and its children."""
+        return None if self._proc is None else self._proc.pid
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -110,6 +116,10 @@ class ServerProcess:
             self._proc = subprocess.Popen(wrap_command(self.command), stdout=log_file, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
                                           start_new_session=True)
+            # the leader dies with us, but SGLang's detokenizer and resource tracker do not: a keeper
+            # kills the whole group when we die (stop() kills the keeper once the group is gone)
+            self._keeper = subprocess.Popen(group_keeper_command(self._proc.pid), stdout=log_file,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.starts += 1
         log.info("started %s (pid %d), log %s", self.url, self._proc.pid, self.log_path)
 
@@ -136,6 +146,10 @@ class ServerProcess:
                 proc.wait(timeout=grace_s)
         # Children (SGLang's scheduler, detokenizer) may outlive the leader; the group signal reaches them.
         self._signal_group(proc, signal.SIGKILL)
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.kill()
+            keeper.wait(timeout=grace_s)
 
     @staticmethod
     def _signal_group(proc: subprocess.Popen, sig: int) -> None:

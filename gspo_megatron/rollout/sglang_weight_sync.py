@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import importlib
 import importlib.util
@@ -23,7 +24,7 @@ import os
 import shutil
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -89,8 +90,25 @@ def serialize_named_tensors(bucket: NamedTensors) -> str:
     if any(t.is_cuda for _, t in bucket):
         uuid_reductions()
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(list(bucket))
+    with _cpu_storage_by_file_name():
+        ForkingPickler(buf).dump(list(bucket))
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+@contextlib.contextmanager
+def _cpu_storage_by_file_name() -> Iterator[None]:
+    """Pickle CPU tensors as shared-memory file names instead of torch's default file descriptors.
+
+    A descriptor travels through a multiprocessing connection that only a process holding this process's
+    authkey may open; an SGLang server is not our child, so it fails with ``AuthenticationError: digest sent
+    was rejected`` (torch/multiprocessing/reductions.py, met against SGLang 0.5.23 on CPU). A file name needs
+    no handshake. The strategy is read when a storage is pickled, so it is set for this dump only."""
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(before)
 
 
 def deserialize_named_tensors(payload: str) -> NamedTensors:

@@ -178,7 +178,7 @@ class Trainer:
         # posts the weights: trainer/rollout_setup.py (docs/rollout.md, "Several trainer ranks").
         if self._sglang_rank is not None:
             return self._with_tools(self._sglang_rank.build_engine())  # a rebuild: relaunch on the launching rank, else re-attach
-        self._sglang_rank, engine = connect_sglang(self.config.rollout.sglang, os.environ)
+        self._sglang_rank, engine = connect_sglang(self.config.rollout.sglang, os.environ, self.model_config)
         return self._with_tools(engine)
 
     def _agent_spec(self):

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import socket
-from typing import Mapping
+from pathlib import Path
+from typing import Any, Mapping
 from urllib.parse import urlparse
 
 import torch
@@ -177,10 +179,36 @@ class SGLangRank:
         return SGLangEngine.from_config(self.cfg, colocated=self.colocated, posts_weights=self.posts_weights)
 
 
-def connect_sglang(cfg: SGLangConfig, environ: Mapping[str, str]) -> tuple[SGLangRank, SGLangEngine]:
+def write_dummy_model_dir(cfg: SGLangConfig, model_config: Any) -> Path | None:
+    """With ``launch.load_format: dummy`` and a ``launch.model_path`` without config.json, write the
+    trainer's model config there (config.json, generation_config.json): the servers then start from random
+    weights of the right shapes and the trainer's first sync (before any rollout) gives them the real ones,
+    so a model built from ``model.config`` (the CPU demo) needs no Hugging Face folder. An existing
+    config.json is used as it is. Returns the folder written, or None."""
+    launch = cfg.launch
+    if launch is None or launch.load_format != "dummy" or model_config is None:
+        return None
+    folder = Path(launch.model_path)
+    if (folder / "config.json").is_file():
+        return None
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / "config.json.tmp"
+    tmp.write_text(json.dumps(model_config.to_hf_dict(), indent=1))
+    transformers.GenerationConfig.from_model_config(model_config.to_hf_config()).save_pretrained(folder)
+    os.replace(tmp, folder / "config.json")
+    return folder
+
+
+def connect_sglang(cfg: SGLangConfig, environ: Mapping[str, str],
+                   model_config: Any = None) -> tuple[SGLangRank, SGLangEngine]:
     """Build this rank's engine (see the module docstring). With several ranks a collective over the
     default group (every rank calls it at the same point); the node layout comes from the launch
-    environment ``environ`` (trainer/launch_env.py: torchrun's or srun's variables)."""
+    environment ``environ`` (trainer/launch_env.py: torchrun's or srun's variables). ``model_config``
+    (the trainer's ModelConfig) fills a dummy launch's empty model folder (write_dummy_model_dir)."""
+    if dist.get_world_size() == 1 or dist.get_rank() == 0:
+        write_dummy_model_dir(cfg, model_config)
     if dist.get_world_size() == 1:
         rank = SGLangRank(cfg, posts_weights=True, colocated=None)
         return _checked(rank, rank.build_engine())
@@ -241,4 +269,5 @@ def share_sync_report(engine: SGLangEngine) -> dict[str, bool]:
 
 __all__ = ["ColocatedLayout", "SGLangRank", "SGLangSetupError", "attach_config", "check_sync_placement",
            "colocated_layout", "connect_sglang", "launch_wait_s", "launching_rank", "share_sync_report",
+           "write_dummy_model_dir",
            "sglang_pushes", "this_host_names"]

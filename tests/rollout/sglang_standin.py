@@ -361,7 +361,8 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._reply(404, {"detail": "Not Found"})
         except BadRequest as err:
-            self._reply(400, {"object": "error", "message": str(err), "type": "Bad Request", "code": 400})
+            # SGLang 0.5.23 http_server._create_error_response (the conformance test compares them)
+            self._reply(400, {"error": {"message": str(err)}})
 
 
 class _QuietServer(ThreadingHTTPServer):

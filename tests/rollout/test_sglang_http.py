@@ -2,6 +2,7 @@
 (tests/rollout/sglang_standin.py: NOT SGLang; 127.0.0.1 only)."""
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -162,3 +163,42 @@ def test_wait_healthy_deadline_for_attached_urls():
     with pytest.raises(ServerStartError, match="not healthy after 3"):
         wait_healthy(f"http://127.0.0.1:{free_port()}", deadline_s=3, poll_s=1, clock=t.clock, sleep=t.sleep)
     assert t.sleeps == [1, 1, 1]
+
+
+def _live_group_members(pgid: int) -> list[int]:
+    """Processes of group ``pgid`` that are not zombies (a killed orphan waits for init to reap it)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # exited while we looked
+            state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == pgid and state != "Z":
+                members.append(int(entry.name))
+    return members
+
+
+def test_a_killed_owner_takes_the_whole_server_group_with_it(tmp_path):
+    """SIGKILL the owner of a server whose own child does not die with its parent (as SGLang's
+    detokenizer): the group keeper kills the child too."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from gspo_megatron.rollout.sglang_server import ServerProcess\n"
+         "p = ServerProcess(['sh', '-c', 'sleep 300 & exec sleep 301'], 'http://10.0.0.1:1', sys.argv[1],\n"
+         "                  startup_timeout_s=1, poll_s=1)\n"
+         "p.spawn(); print(p._proc.pid, flush=True); time.sleep(300)\n", str(tmp_path / "s.log")],
+        stdout=subprocess.PIPE, text=True)
+    pgid = int(owner.stdout.readline())
+    deadline = time.monotonic() + 10
+    while len(_live_group_members(pgid)) < 2 and time.monotonic() < deadline:  # the two sleeps of sh
+        time.sleep(0.05)
+    assert len(_live_group_members(pgid)) == 2
+    owner.kill()
+    owner.wait()
+    deadline = time.monotonic() + 10
+    while _live_group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _live_group_members(pgid), f"left in the server's group after its owner died: {_live_group_members(pgid)}"
