@@ -241,8 +241,6 @@ def _same_parameters(a, b) -> bool:
 
 def checkpoint_worker(rank, world_size, config, tmp):
     """Save with one spec's naming, load with the other's, both ways; and the control without the map."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     from gspo_megatron.megatron import checkpoint, sharding
     from gspo_megatron.megatron.model import build_model
     from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
@@ -268,7 +266,7 @@ def checkpoint_worker(rank, world_size, config, tmp):
     try:
         checkpoint.load_model(_te_moe_named_model(config, keys_map=False), f"{tmp}/from_local")
         out["unmapped_error"] = None
-    except CheckpointException as err:  # the control: the load must fail (a BaseException in torch.dcp)
+    except checkpoint.CheckpointError as err:  # the control: the load must fail, naming what is missing
         out["unmapped_error"] = f"{type(err).__name__}: {err}"
     return out
 
