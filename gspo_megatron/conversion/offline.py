@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -47,6 +48,7 @@ READ_BATCH_BYTES = 64 * 2**20  # canonical tensors read per DCP pass (bounds mem
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 DTYPE_FLAGS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write failing for want of room
 # ModelConfig fields a config.json does not describe (Megatron settings kept in the checkpoint's own config)
 MEGATRON_ONLY_FIELDS = ("make_vocab_size_divisible_by",)
 
@@ -83,6 +85,12 @@ def atomic_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> Itera
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
     try:
         yield tmp
+    except OSError as err:
+        shutil.rmtree(tmp)
+        if err.filename is None and err.errno in _OUT_OF_SPACE:  # the kernel's error names no file
+            raise OSError(f"{out}: {os.strerror(err.errno).lower()} ({errno.errorcode[err.errno]}) while writing the "
+                          f"conversion output (its staging folder {tmp.name} was removed)") from err
+        raise
     except BaseException:
         shutil.rmtree(tmp)
         raise

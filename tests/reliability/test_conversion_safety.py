@@ -1,6 +1,7 @@
 """Conversion never eats its input, cleans up after killed runs, converts training checkpoints, and exits
 with distinct codes (gspo_megatron/conversion)."""
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,6 +61,28 @@ def test_a_killed_conversion_leaves_a_staging_folder_the_next_run_removes(conver
     assert len(list(tmp_path.glob(".meg.incomplete-*"))) == 1
     assert cli.main(["hf-to-megatron", "--hf-dir", str(hf), "--out", str(out), "--no-progress"]) == 0
     assert list(tmp_path.glob(".meg.incomplete-*")) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("direction", ["hf-to-megatron", "megatron-to-hf"])
+def test_a_full_disk_names_the_output_folder(converted, tmp_path, direction):
+    # a 64 KiB tmpfs in a private mount namespace: the staging folder fits, the weights do not
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+        pytest.skip("needs unshare -rm (user and mount namespaces) for a small private tmpfs")
+    _, hf, meg = converted
+    full = tmp_path / "full"
+    full.mkdir()
+    source = f"--hf-dir '{hf}'" if direction == "hf-to-megatron" else f"--megatron-dir '{meg}'"
+    convert = f"{sys.executable} -m gspo_megatron.cli convert {direction} {source} --out '{full / 'out'}' --no-progress"
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs '{full}' && {{ {convert}; "
+                           f"code=$?; echo left: $(ls -A '{full}'); exit $code; }}"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "left:", proc.stdout  # nothing, the staging folder included
+    [line] = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert line.startswith(f"gspo-megatron convert: error: {full / 'out'}: no space left on device (ENOSPC) while "
+                           f"writing the conversion output (its staging folder .out.incomplete-"), line
+    assert line.endswith(" was removed)"), line
 
 
 def test_check_failure_and_crash_have_distinct_exit_codes(converted, tmp_path, capsys):
