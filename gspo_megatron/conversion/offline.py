@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -29,8 +30,9 @@ import torch
 
 from gspo_megatron.conversion import dcp_io
 from gspo_megatron.conversion.byte_ranges import canonical_pieces, hf_pieces
-from gspo_megatron.conversion.errors import ConversionError, name_list
+from gspo_megatron.conversion.errors import ConversionError, name_list, read_json
 from gspo_megatron.conversion.safetensors_io import (INDEX_NAME, SINGLE_NAME, BackgroundWriteback, HFCheckpoint,
+                                                     check_declared_dtype,
                                                      SafetensorsWriter, TensorSpec, plan_shards, write_index)
 from gspo_megatron.conversion import fp8
 from gspo_megatron.conversion.release_formats import ReleaseView, exported_as_fp8, fp8_quantization_config
@@ -47,6 +49,7 @@ READ_BATCH_BYTES = 64 * 2**20  # canonical tensors read per DCP pass (bounds mem
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 DTYPE_FLAGS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write failing for want of room
 # ModelConfig fields a config.json does not describe (Megatron settings kept in the checkpoint's own config)
 MEGATRON_ONLY_FIELDS = ("make_vocab_size_divisible_by",)
 
@@ -83,6 +86,12 @@ def atomic_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> Itera
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
     try:
         yield tmp
+    except OSError as err:
+        shutil.rmtree(tmp)
+        if err.filename is None and err.errno in _OUT_OF_SPACE:  # the kernel's error names no file
+            raise OSError(f"{out}: {os.strerror(err.errno).lower()} ({errno.errorcode[err.errno]}) while writing the "
+                          f"conversion output (its staging folder {tmp.name} was removed)") from err
+        raise
     except BaseException:
         shutil.rmtree(tmp)
         raise
@@ -231,8 +240,9 @@ def _hf_to_megatron(hf_dir: Path, out: Path, tensor_parallel: int, pipeline_para
         layout = dcp_io.checkpoint_layout(config, padded_vocab)
     _check_table_matches_model(entries, layout, config)
     with HFCheckpoint(hf_dir) as stored:
-        hf = ReleaseView(stored, config, json.loads((hf_dir / "config.json").read_text()))
+        hf = ReleaseView(stored, config, read_json(hf_dir / "config.json"))
         dtypes = _check_hf_tensors(hf, entries, layout, config)
+        check_declared_dtype(hf)
         mtp = [name for name in hf.tensors if left_out(config, name)]
         # read each source file front to back
         ordered = sorted(entries, key=lambda e: hf.location(e.hf[0]))
@@ -298,9 +308,9 @@ def _config_from_checkpoint(directory: Path) -> ModelConfig | None:
 
     own, meta = directory / MODEL_CONFIG_NAME, directory / "gspo_meta.json"
     if own.is_file():
-        return build(ModelConfig, json.loads(own.read_text()), str(own))
+        return build(ModelConfig, read_json(own), str(own))
     if meta.is_file():
-        data = json.loads(meta.read_text())
+        data = read_json(meta)
         if "model_config" in data:
             return build(ModelConfig, data["model_config"], f"{meta}: model_config")
         model = data.get("config", {}).get("model", {})
@@ -320,7 +330,7 @@ def _training_model_section(directory: Path) -> dict:
     meta = directory / "gspo_meta.json"
     if not meta.is_file():
         return {}
-    return json.loads(meta.read_text()).get("config", {}).get("model", {}) or {}
+    return read_json(meta).get("config", {}).get("model", {}) or {}
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -400,7 +410,7 @@ def _write_hf_config(template: Path | None, config: ModelConfig, dest: Path, dty
                 shutil.copyfile(tokenizer / name, dest / name)
     if template is not None:
         copy_hf_side_files(template, dest)
-        data = json.loads((dest / "config.json").read_text())
+        data = read_json(dest / "config.json")
         quantized = data.pop("quantization_config", None) is not None  # what is written is dequantized
         if dtype is None and not quantized and fp8_block is None:
             return
@@ -462,7 +472,7 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
         if mtp_dir is not None:
             mtp_stored = stack.enter_context(HFCheckpoint(mtp_dir))
             mtp_config = mtp_dir / "config.json"
-            mtp_view = ReleaseView(mtp_stored, config, json.loads(mtp_config.read_text()) if mtp_config.is_file() else None)
+            mtp_view = ReleaseView(mtp_stored, config, read_json(mtp_config) if mtp_config.is_file() else None)
             mtp = sorted((n for n in mtp_view.tensors if left_out(config, n)), key=mtp_view.location)
         requests = {r.name: r for r in dcp_io.requests_for(layout, reader, config.vocab_size)}
         tokenizer, why = tokenizer_source(megatron_dir, template)
@@ -482,7 +492,7 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
         specs = output.specs(specs)
         template_index = None
         if max_shard_bytes is None and template is not None and (template / INDEX_NAME).is_file():
-            template_index = json.loads((template / INDEX_NAME).read_text())
+            template_index = read_json(template / INDEX_NAME)
         plan = plan_shards(specs, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, template_index)
         by_name = {e.megatron: e for e in entries}
         # read the checkpoint's data files front to back

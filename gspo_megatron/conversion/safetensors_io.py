@@ -27,7 +27,7 @@ from typing import Iterable
 import torch
 
 from gspo_megatron.conversion.byte_ranges import Piece, copy_pieces
-from gspo_megatron.conversion.errors import ConversionError, name_list
+from gspo_megatron.conversion.errors import ConversionError, name_list, read_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -80,7 +80,10 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
         (header_len,) = struct.unpack("<Q", head)
         if header_len > size - 8:
             raise ConversionError(f"{path}: header length {header_len} exceeds the file size {size}")
-        header = json.loads(f.read(header_len))
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ConversionError(f"{path}: the safetensors header is not valid JSON ({err})") from None
     data_start = 8 + header_len
     out: dict[str, StoredTensor] = {}
     for name, info in header.items():
@@ -95,6 +98,34 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
                                   f"shape {list(spec.shape)} {info['dtype']} in a {size}-byte file")
         out[name] = StoredTensor(spec, path, data_start + begin)
     return out
+
+
+def declared_dtype(hf_config: dict, source: str) -> torch.dtype | None:
+    """The dtype a config.json declares for its weights (``dtype``, or the older ``torch_dtype``), if any."""
+    name = hf_config.get("dtype", hf_config.get("torch_dtype"))
+    if name is None:
+        return None
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConversionError(f"{source}: dtype: {name!r} is not a floating-point torch dtype")
+    return dtype
+
+
+def check_declared_dtype(folder) -> None:
+    """Refuse tensors that would load silently as something other than the folder's config.json says: any
+    integer or bool tensor, and a float one narrower than (or another 16-bit format than) the declared
+    dtype, e.g. an fp16 or int32 tensor in an fp32 checkpoint. Wider ones stay (DeepSeek-V3's bf16 release
+    keeps its router bias in fp32). ``folder``: an ``HFCheckpoint`` or a view of one (``directory``, and
+    ``tensors``: name -> anything with ``spec`` and ``path``)."""
+    source = str(folder.directory / "config.json")
+    declared = declared_dtype(read_json(source), source)
+    wrong = [f"{t.path.name}: {name} {t.spec.dtype}".replace("torch.", "") for name, t in sorted(folder.tensors.items())
+             if not t.spec.dtype.is_floating_point or (declared is not None and t.spec.dtype != declared
+                                                        and t.spec.dtype.itemsize <= declared.itemsize)]
+    if wrong:
+        what = f"declares {str(declared).removeprefix('torch.')}" if declared is not None else "declares no dtype"
+        raise ConversionError(f"{source} {what}, but {len(wrong)} tensor(s) are stored otherwise: "
+                              f"{'; '.join(wrong[:8])}{f' (+{len(wrong) - 8} more)' if len(wrong) > 8 else ''}")
 
 
 WRITEBACK_BYTES = 64 * 2**20
@@ -217,7 +248,7 @@ class HFCheckpoint:
         index_path = self.directory / INDEX_NAME
         self.index: dict | None = None
         if index_path.is_file():
-            self.index = json.loads(index_path.read_text())
+            self.index = read_json(index_path)
             if not isinstance(self.index, dict) or not isinstance(self.index.get("weight_map"), dict):
                 raise ConversionError(f"{index_path}: weight_map: missing (expected an object of name -> file)")
             files = sorted(set(self.index["weight_map"].values()))

@@ -14,6 +14,11 @@ import torch
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class RolloutInputError(ValueError):
+    """The request itself cannot be generated (a prompt beyond the context, an invalid sampling setting):
+    any engine fails it the same way, so the trainer stops instead of restarting the engine."""
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """Sampling settings for one ``generate`` call.

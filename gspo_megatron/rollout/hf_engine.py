@@ -41,7 +41,7 @@ from torch import nn
 
 from gspo_megatron.models import registry
 from gspo_megatron.models.base import ExpertCheckpointNames
-from gspo_megatron.rollout.base import RolloutEngine, Sample, SamplingParams
+from gspo_megatron.rollout.base import RolloutEngine, RolloutInputError, Sample, SamplingParams
 from gspo_megatron.rollout.sampling import LOGPROB_MODES, LogprobMode, sample_next_tokens, sample_uniforms
 
 # The families this engine serves, and their engine facts, are in gspo_megatron/models/.
@@ -545,7 +545,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def _check_request(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, params: SamplingParams) -> None:
         if samples_per_prompt < 1:
-            raise ValueError(f"generate: samples_per_prompt must be >= 1, got {samples_per_prompt}")
+            raise RolloutInputError(f"generate: samples_per_prompt must be >= 1, got {samples_per_prompt}")
         checks = (
             (params.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
             (params.temperature >= 0.0 and math.isfinite(params.temperature), "temperature", "must be >= 0"),
@@ -554,23 +554,23 @@ class HFRolloutEngine(RolloutEngine):
         )
         for ok, field, message in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{field}: {message}, got {getattr(params, field)!r}")
+                raise RolloutInputError(f"SamplingParams.{field}: {message}, got {getattr(params, field)!r}")
         longest = 0
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
-                raise ValueError(f"generate: prompts[{i}] is empty")
+                raise RolloutInputError(f"generate: prompts[{i}] is empty")
             if min(prompt) < 0 or max(prompt) >= self._arch.vocab_size:
-                raise ValueError(f"generate: prompts[{i}] has token ids outside [0, {self._arch.vocab_size})")
+                raise RolloutInputError(f"generate: prompts[{i}] has token ids outside [0, {self._arch.vocab_size})")
             longest = max(longest, len(prompt))
         total = longest + params.max_new_tokens
         if total > self._arch.max_positions:
-            raise ValueError(
+            raise RolloutInputError(
                 f"generate: longest prompt ({longest}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                 f"model's max_position_embeddings ({self._arch.max_positions})"
             )
         window = self._arch.sliding_window
         if window is not None and total > window:
-            raise ValueError(
+            raise RolloutInputError(
                 f"generate: sequences of up to {total} tokens exceed config.sliding_window ({window}); "
                 "sliding-window attention is not implemented by HFRolloutEngine"
             )

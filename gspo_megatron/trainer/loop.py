@@ -34,7 +34,7 @@ from gspo_megatron.batching import TrainSequence, iter_minibatches, split_for_da
 from gspo_megatron.megatron.policy_model import PolicyModel
 from gspo_megatron.megatron.routing import replay_for_step
 from gspo_megatron.rollout.agent_loop import tool_metrics
-from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.rollout.base import RolloutInputError, SamplingParams
 from gspo_megatron.trainer.batch_filling import BatchFiller, round_seed
 from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, overlap_timing, staleness, trainer_threads
 from gspo_megatron.trainer import completions
@@ -48,6 +48,17 @@ from gspo_megatron.typed_config import ConfigError, to_dict
 
 def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 7919 + rank * 104_729) % (2**31 - 1)
+
+
+def deterministic_engine_error(error: Exception | None, previous: Exception | None) -> Exception | None:
+    """The error to stop with instead of restarting the engine, or None: an input error (any engine fails
+    the same request the same way), or the same error as before the last restart (type and message)."""
+    if isinstance(error, RolloutInputError):
+        return RolloutInputError(f"rollout: {error} (an input error: the engine was not restarted)")
+    if error is not None and previous is not None and (type(error), str(error)) == (type(previous), str(previous)):
+        return RuntimeError(f"rollout engine failed the same way after a restart, not restarted again "
+                            f"({type(error).__name__}: {error})")
+    return None
 
 
 class Trainer:
@@ -208,10 +219,11 @@ class Trainer:
 
             initialise_canonical(self.policy.module, self.model_config, self.config.model.init_seed)
             return
-        from gspo_megatron.conversion.safetensors_io import HFCheckpoint
+        from gspo_megatron.conversion.safetensors_io import HFCheckpoint, check_declared_dtype
         from gspo_megatron.conversion.tables import expand
 
         with HFCheckpoint(self.config.model.hf_dir) as hf:
+            check_declared_dtype(hf)
             canonical = {e.megatron: e.transform.to_megatron([hf.read(n) for n in e.hf])
                          for e in expand(self.model_config)}
         sharding.load_full_state_dict(self.policy.module, canonical)
@@ -331,7 +343,9 @@ class Trainer:
     def _generate(self, prompt_ids, samples_per_prompt: int, params: SamplingParams, flight: InFlight | None = None):
         """engine.generate, restarting failed engines (rebuilt, weights re-synced from the policy) up to
         MAX_ENGINE_RESTARTS_PER_CALL times; each rebuilt engine is counted in faults/engine_restarts. When
-        it still fails, the last error propagates with the restart count in the message.
+        it still fails, the last error propagates with the restart count in the message. A deterministic
+        error is not restarted (``deterministic_engine_error``): an input error stops at once, the same
+        error right after a restart stops then; one line either way.
 
         Every rank calls this, with or without prompts: the re-sync is a collective over the model's
         groups, so one all-reduce per attempt tells every rank whether any engine failed, the failed ranks
@@ -339,6 +353,7 @@ class Trainer:
 
         ``flight`` (overlap mode): the batch was submitted ahead; its result is taken first. After a restart
         it is generated again with the current weights, and so are the batches queued behind it."""
+        previous = None
         for attempt in range(self.MAX_ENGINE_RESTARTS_PER_CALL + 1):
             samples, error = [], None
             if prompt_ids:
@@ -350,10 +365,18 @@ class Trainer:
                         samples = self.engine.generate(prompt_ids, samples_per_prompt, params)
                 except Exception as err:  # noqa: BLE001 - contained: counted, engine rebuilt, re-raised at the limit
                     error = err
-            failed = torch.tensor([0 if error is None else 1])
-            dist.all_reduce(failed)
-            if int(failed) == 0:
+            stop = deterministic_engine_error(error, previous)
+            flags = torch.tensor([0 if error is None else 1, int(stop is not None)])
+            dist.all_reduce(flags)  # every rank restarts, or stops, together
+            failed, stopping = int(flags[0]), int(flags[1])
+            if failed == 0:
                 return samples
+            if stopping:
+                if stop is not None:
+                    raise stop from error
+                raise RuntimeError(f"the rollout engine of {stopping} other rank(s) failed deterministically "
+                                   f"(not restarted)")
+            previous = error
             reason = str(error) if error is not None else f"the engine of {int(failed)} other rank(s) failed"
             if attempt == self.MAX_ENGINE_RESTARTS_PER_CALL:
                 raise RuntimeError(f"rollout engine failed after {attempt} restarts: {reason}") from error

@@ -85,6 +85,23 @@ def test_mixed_dtypes_inside_one_fused_tensor(source, tmp_path):
         offline.hf_to_megatron(hf, tmp_path / "out", progress=False)
 
 
+def test_int32_and_fp16_tensors_in_an_fp32_checkpoint_are_named(source, tmp_path):
+    hf = _copy(source[0], tmp_path, "hf")
+    # one of a kind each (per-layer tensors stacked into one Megatron key must agree already)
+    embed, norm = "model.embed_tokens.weight", "model.norm.weight"
+    _edit_weights(hf, lambda t: t.update({embed: t[embed].to(torch.int32), norm: t[norm].to(torch.float16)}))
+    with pytest.raises(ConversionError) as raised:
+        offline.hf_to_megatron(hf, tmp_path / "out", progress=False)
+    assert str(raised.value) == (f"{hf / 'config.json'} declares float32, but 2 tensor(s) are stored otherwise: "
+                                 f"model.safetensors: {embed} int32; model.safetensors: {norm} float16")
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+    # a wider tensor than declared stays (DeepSeek-V3's bf16 release keeps its router bias in fp32)
+    _edit_weights(hf, lambda t: t.update({embed: t[embed].to(torch.float32), norm: t[norm].to(torch.float32)}))
+    _edit_config(hf, dtype="bfloat16")
+    _edit_weights(hf, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items() if k != norm}))
+    offline.hf_to_megatron(hf, tmp_path / "out", progress=False)
+
+
 def test_layout_that_does_not_divide_the_model(source, tmp_path):
     with pytest.raises(ConversionError, match=r"config.json: --ep 3 does not divide the model: num_experts=4"):
         offline.hf_to_megatron(source[0], tmp_path / "out", expert_parallel=3, progress=False)
@@ -117,12 +134,12 @@ def test_failure_mid_write_leaves_nothing(source, tmp_path, monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(byte_ranges, "_copy_range", failing)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OSError, match=r"meg: no space left on device \(ENOSPC\) while writing the conversion output"):
         offline.hf_to_megatron(source[0], tmp_path / "meg", progress=False)
     assert len(calls) == 3 and not (tmp_path / "meg").exists() and _leftovers(tmp_path) == []
 
     calls.clear()
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OSError, match=r"back: no space left on device \(ENOSPC\) while writing the conversion output"):
         offline.megatron_to_hf(source[1], tmp_path / "back", progress=False)
     assert len(calls) == 3 and not (tmp_path / "back").exists() and _leftovers(tmp_path) == []
 

@@ -1,6 +1,7 @@
 """Conversion never eats its input, cleans up after killed runs, converts training checkpoints, and exits
 with distinct codes (gspo_megatron/conversion)."""
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -62,14 +63,65 @@ def test_a_killed_conversion_leaves_a_staging_folder_the_next_run_removes(conver
     assert list(tmp_path.glob(".meg.incomplete-*")) == []
 
 
-def test_check_failure_and_crash_have_distinct_exit_codes(converted, tmp_path, capsys):
+@pytest.mark.slow
+@pytest.mark.parametrize("direction", ["hf-to-megatron", "megatron-to-hf"])
+def test_a_full_disk_names_the_output_folder(converted, tmp_path, direction):
+    # a 64 KiB tmpfs in a private mount namespace: the staging folder fits, the weights do not
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+        pytest.skip("needs unshare -rm (user and mount namespaces) for a small private tmpfs")
+    _, hf, meg = converted
+    full = tmp_path / "full"
+    full.mkdir()
+    source = f"--hf-dir '{hf}'" if direction == "hf-to-megatron" else f"--megatron-dir '{meg}'"
+    convert = f"{sys.executable} -m gspo_megatron.cli convert {direction} {source} --out '{full / 'out'}' --no-progress"
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs '{full}' && {{ {convert}; "
+                           f"code=$?; echo left: $(ls -A '{full}'); exit $code; }}"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "left:", proc.stdout  # nothing, the staging folder included
+    [line] = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert line.startswith(f"gspo-megatron convert: error: {full / 'out'}: no space left on device (ENOSPC) while "
+                           f"writing the conversion output (its staging folder .out.incomplete-"), line
+    assert line.endswith(" was removed)"), line
+
+
+def test_check_failure_and_crash_have_distinct_exit_codes(converted, tmp_path, capsys, monkeypatch):
     _, hf, meg = converted
     other = make_hf_dir("qwen3_moe", tmp_path / "other", seed=1)
     assert cli.main(["check", "--hf-dir", str(other), "--megatron-dir", str(meg)]) == 3
     capsys.readouterr()
-    (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "config.json").write_text("{")  # JSONDecodeError: not one of our errors -> a crash
-    code = cli.main(["check", "--hf-dir", str(tmp_path / "broken"), "--megatron-dir", str(meg)])
+    from gspo_megatron.conversion import check
+
+    def crash(*args, **kwargs):  # not one of our errors -> a crash
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(check, "run_check", crash)
+    code = cli.main(["check", "--hf-dir", str(hf), "--megatron-dir", str(meg)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and len(err) == 1 and err[0].startswith("gspo-megatron convert: error: JSONDecodeError"), err
+    assert code == 1 and len(err) == 1 and err[0].startswith("gspo-megatron convert: error: ZeroDivisionError"), err
     assert "traceback: " in err[0] and "--debug prints it" in err[0]
+
+
+BROKEN_JSON = '{\n  "architectures": ["x"],\n  oops\n}\n'  # JSONDecodeError at line 3
+
+
+@pytest.mark.parametrize("command,broken", [
+    ("hf-to-megatron", "hf/config.json"),
+    ("megatron-to-hf", "meg/gspo_meta.json"),
+    ("megatron-to-hf", "meg/model_config.json"),
+    ("megatron-to-hf", "meg/hf/config.json"),  # the template the export copies
+    ("check", "hf/config.json"),
+    ("check", "meg/model_config.json"),
+])
+def test_a_malformed_json_file_is_named_with_its_line(converted, tmp_path, capsys, command, broken):
+    _, hf, meg = converted
+    shutil.copytree(hf, tmp_path / "hf")
+    shutil.copytree(meg, tmp_path / "meg")
+    (tmp_path / broken).write_text(BROKEN_JSON)
+    args = {"hf-to-megatron": ["--hf-dir", str(tmp_path / "hf")], "megatron-to-hf": ["--megatron-dir", str(tmp_path / "meg")],
+            "check": ["--hf-dir", str(tmp_path / "hf"), "--megatron-dir", str(tmp_path / "meg")]}[command]
+    out = [] if command == "check" else ["--out", str(tmp_path / "out"), "--no-progress"]
+    code = cli.main([command, *args, *out])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"gspo-megatron convert: error: {tmp_path / broken}:3: not valid JSON ("), err

@@ -125,6 +125,24 @@ def test_an_hf_dir_without_tokenizer_or_with_bad_json_is_named(tmp_path):
         load_config(None, [*data, f"model.hf_dir={hf}", f"model.tokenizer_dir={hf}"])
 
 
+def test_train_refuses_an_hf_dir_whose_tensors_are_not_its_declared_dtype(tmp_path):
+    import transformers
+
+    from gspo_megatron.data.tokenizer import demo_tokenizer_path
+    from tests.reliability.helpers import tagged_env, train_command
+
+    model = transformers.AutoModelForCausalLM.from_config(load_config(DEMO).model.config.to_hf_config())
+    model.model.norm.half()  # one fp16 tensor in an fp32 checkpoint: used to load silently
+    model.save_pretrained(tmp_path / "hf")
+    cmd = train_command(tmp_path / "run", "model.config=null", f"model.hf_dir={tmp_path / 'hf'}",
+                        f"model.tokenizer_dir={demo_tokenizer_path()}", "sft.steps=0", "train.steps=1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=tagged_env()[0], timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if "error:" in line] == [
+        f"gspo-megatron train: error: {tmp_path / 'hf' / 'config.json'} declares float32, but 1 tensor(s) are "
+        f"stored otherwise: model.safetensors: model.norm.weight float16"]
+
+
 @pytest.mark.parametrize("nproc, override, message", [
     ("1", "parallel.expert_parallel=2", "parallel.expert_parallel=2 must divide data_parallel x context_parallel = 1 "
                                         "at world size 1"),

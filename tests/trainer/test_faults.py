@@ -26,7 +26,7 @@ def engine_failures(rank, world_size, run_dir: str, failures: int, failing_rank:
     def flaky(*args, **kwargs):
         calls["n"] += 1
         if rank == failing_rank and calls["n"] <= failures:
-            raise ConnectionError("engine died")
+            raise ConnectionError(f"engine died (call {calls['n']})")  # transient: not the same error twice
         return real_generate(*args, **kwargs)
 
     broken.generate = flaky
@@ -61,6 +61,48 @@ def test_one_ranks_engine_fails_every_rank_resyncs(tmp_path):
     runs = run_distributed(engine_failures, 2, (str(tmp_path / "b"), 5, 1))
     assert all(not r["ok"] and r["restarts"] == 2 for r in runs)
     assert "engine died" in runs[1]["error"] and "other rank(s) failed" in runs[0]["error"]
+
+
+def deterministic_errors(rank, world_size, run_dir: str) -> dict:
+    from gspo_megatron.rollout.base import RolloutInputError, SamplingParams
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.trainer.loop import Trainer
+
+    trainer = Trainer(load_config(DEMO, ["sft.steps=0", "logging.console=false", "logging.tensorboard=false"]), run_dir)
+    engine, out = trainer.engine, {}
+    real_generate = engine.generate
+    try:
+        too_long = [[1] * trainer.model_config.max_position_embeddings]  # the real engine's own check
+        try:
+            trainer._generate(too_long, 2, SamplingParams(max_new_tokens=4))
+        except RolloutInputError as err:
+            out["input"] = (str(err), trainer.faults["engine_restarts"])
+
+        def same_error(*args, **kwargs):
+            raise ConnectionError("CUDA error: an illegal memory access was encountered")
+
+        engine.generate = same_error
+        trainer._build_engine = lambda: engine  # the "rebuilt" engine fails the same way
+        try:
+            trainer._generate([[1, 2, 3]], 2, SamplingParams(max_new_tokens=4))
+        except RuntimeError as err:
+            out["same"] = (str(err), trainer.faults["engine_restarts"])
+        return out
+    finally:
+        engine.generate = real_generate
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_a_deterministic_engine_error_stops_without_restarts(tmp_path):
+    out = run_distributed(deterministic_errors, 1, (str(tmp_path / "run"),))[0]
+    message, restarts = out["input"]
+    assert restarts == 0 and message.startswith("rollout: generate: longest prompt (") and message.endswith(
+        "exceeds the model's max_position_embeddings (128) (an input error: the engine was not restarted)"), message
+    message, restarts = out["same"]
+    assert restarts == 1, out  # one restart shows the error is not transient
+    assert message == ("rollout engine failed the same way after a restart, not restarted again (ConnectionError: "
+                       "CUDA error: an illegal memory access was encountered)")
 
 
 def overlap_engine_killed(rank, world_size, run_dir: str) -> dict:
