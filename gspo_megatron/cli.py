@@ -15,16 +15,7 @@ from pathlib import Path
 
 from gspo_megatron import processes  # noqa: F401 - first: records the parent pid (processes.STARTED_BY)
 from gspo_megatron.reporting import DEBUG_ENV, run_reporting_errors
-
-def _quiet_known_warnings() -> None:
-    """Megatron warns at import about every optional CUDA library it does not find (apex, Transformer
-    Engine); on CPU that is expected and drowns the training output. Other warnings stay visible."""
-    warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine).*not installed.*")
-    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
-    # Megatron's torch_dist checkpoints go through torch's ShardedTensor and the old DCP entry points: every
-    # save and resume warned about deprecations that are Megatron's to act on, not the user's
-    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*deprecating ShardedTensor.*")
-    warnings.filterwarnings("ignore", category=FutureWarning, message=r"`(load|save)_state_dict` is deprecated.*")
+from gspo_megatron.reporting import quiet_known_warnings as _quiet_known_warnings
 
 
 def fresh_run_dir(base: Path) -> Path:

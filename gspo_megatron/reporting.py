@@ -11,11 +11,28 @@ import os
 import sys
 import tempfile
 import traceback
+import warnings
 from pathlib import Path
 from typing import Callable
 
 EXIT_CRASH, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 DEBUG_ENV = "GSPO_DEBUG"  # set from --debug, so torchrun's ranks inherit it
+
+
+def quiet_known_warnings() -> None:
+    """Megatron warns at import about every optional CUDA library it does not find (apex, Transformer
+    Engine); on CPU that is expected and drowns the training output. Other warnings stay visible.
+    Installed by every command line and by every rank ``megatron/spawn.py`` starts (a spawned process
+    does not inherit the parent's filters)."""
+    warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine).*not installed.*")
+    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
+    # Megatron's torch_dist checkpoints go through torch's ShardedTensor and the old DCP entry points, and its
+    # optimizer and expert dispatch through the old collective names: deprecations that are Megatron's to act
+    # on, not the user's
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*deprecating ShardedTensor.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r"`(load|save)_state_dict` is deprecated.*")
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated.*")
 
 
 def is_bad_input(err: BaseException) -> bool:

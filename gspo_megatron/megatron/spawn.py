@@ -8,6 +8,7 @@ returns a dict of named results that several tests then assert on.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import tempfile
 import traceback
@@ -16,6 +17,8 @@ from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
+
+from gspo_megatron.reporting import quiet_known_warnings
 
 
 class DistributedRunError(RuntimeError):
@@ -28,7 +31,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _child(rank: int, world_size: int, port: int, out_dir: str, payload: bytes) -> None:
+    # A spawned process starts with Python's default warning filters, and unpickling ``fn`` imports Megatron,
+    # which warns at import: so ``fn`` and its arguments travel as bytes, unpickled after the filters are in.
+    quiet_known_warnings()
+    fn, args = pickle.loads(payload)
     from gspo_megatron.megatron import parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -51,7 +58,8 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout
     with tempfile.TemporaryDirectory(prefix="gspo-dist-") as out_dir:
         ctx = mp.get_context("spawn")
         port = free_port()
-        procs = [ctx.Process(target=_child, args=(r, world_size, port, out_dir, fn, args), daemon=False)
+        payload = pickle.dumps((fn, args))
+        procs = [ctx.Process(target=_child, args=(r, world_size, port, out_dir, payload), daemon=False)
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -40,6 +40,7 @@ from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, overlap_timing
 from gspo_megatron.trainer import completions
 from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
 from gspo_megatron.trainer.preemption import PartialStep, fits_in_grace
+from gspo_megatron.trainer.metrics_log import SFT_METRICS_FILE, append_record, truncate_after
 from gspo_megatron.trainer.resume import resume_changes
 from gspo_megatron.trainer.run_dir import claim as claim_run_dir
 from gspo_megatron.trainer.run_dir import on_main_rank
@@ -244,6 +245,8 @@ class Trainer:
         sequence = self._warm_start_sequence()
         if start == 0:
             self.policy.reset_optimizer(lr=cfg.lr)
+        if self.is_main:  # a resumed warm start keeps the losses of the steps it has (as metrics.jsonl)
+            truncate_after(self.run_dir, start, SFT_METRICS_FILE)
         gen = torch.Generator().manual_seed(self.config.train.seed)
         for _ in range(start):  # the same picks as the uninterrupted warm start from here on
             torch.randint(0, len(samples), (cfg.batch_size,), generator=gen)
@@ -253,6 +256,8 @@ class Trainer:
             mine = split_for_data_parallel(seqs, self.dp_size, self.dp_rank)
             raw = self.policy.sft_forward_backward(mine)
             self.policy.optimizer_step()
+            if self.is_main:
+                append_record(self.run_dir / SFT_METRICS_FILE, step + 1, {"sft_loss": float(raw["loss"])})
             if self.is_main and (step % 20 == 0 or step == cfg.steps - 1):
                 print(f"sft step {step + 1}/{cfg.steps}: nll {float(raw['loss']):.4f}", flush=True)
             if step + 1 < cfg.steps and self.preempted():

@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+# the supervised warm start's loss per sft step (1..sft.steps), in the same line format: its own file, since its
+# steps precede RL step 1 and RL's steps must stay one increasing sequence in every sink (TensorBoard, W&B)
+SFT_METRICS_FILE = "sft_metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id.txt"
 
@@ -39,8 +42,8 @@ class MetricsFileError(ValueError):
     """A metrics.jsonl that is missing or cannot be read; the message names the file (and line)."""
 
 
-def metrics_path(run_dir: Path) -> Path:
-    return Path(run_dir) / METRICS_FILE
+def metrics_path(run_dir: Path, file: str = METRICS_FILE) -> Path:
+    return Path(run_dir) / file
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -80,13 +83,14 @@ def _check_record(record: Any, path: Path, line_no: int) -> dict[str, Any]:
     return record
 
 
-def truncate_after(run_dir: Path, step: int) -> int:
-    """Keep only the records of ``run_dir/metrics.jsonl`` with ``step <= step``; returns how many were kept.
+def truncate_after(run_dir: Path, step: int, file: str = METRICS_FILE) -> int:
+    """Keep only the records of ``run_dir/metrics.jsonl`` (or ``file``) with ``step <= step``; returns how many
+    were kept.
 
     Rewritten to a temp file, fsynced and renamed over the original, so a kill during the rewrite leaves
     either the old file or the new one. Also drops a partial last line. No file: nothing to do, returns 0.
     """
-    path = metrics_path(run_dir)
+    path = metrics_path(run_dir, file)
     if not path.exists():
         return 0
     kept = [r for r in read_metrics(path) if r["step"] <= step]
@@ -106,6 +110,17 @@ def last_step(run_dir: Path) -> int | None:
         return None
     steps = [r["step"] for r in read_metrics(path)]
     return max(steps) if steps else None
+
+
+def append_record(path: Path, step: int, metrics: dict[str, float]) -> None:
+    """One ``{"step": step, **metrics}`` line appended to ``path``, fsynced (as ``MetricsLogger.log``): for
+    files written outside the RL logger (``SFT_METRICS_FILE``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(_json_line({"step": int(step), **_as_floats(metrics)}))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _json_line(record: dict[str, Any]) -> str:

@@ -1,4 +1,5 @@
-"""`gspo-megatron plot RUN_DIR [RUN_DIR ...] [--out DIR]`: PNG charts from run folders' metrics.jsonl.
+"""`gspo-megatron plot RUN_DIR [RUN_DIR ...] [--out DIR]`: PNG charts from run folders' metrics.jsonl
+(and sft_metrics.jsonl: the warm start's loss by sft step).
 
 One figure per metric group, every run overlaid (legend: the run folder's name), plus ``overview.png`` with all
 groups in a grid. A group whose metrics are absent from every run gets no figure; a metric absent from every run
@@ -14,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gspo_megatron.trainer.metrics_log import METRICS_FILE, MetricsFileError, read_metrics
+from gspo_megatron.trainer.metrics_log import METRICS_FILE, SFT_METRICS_FILE, MetricsFileError, read_metrics
 
 PLOTS_DIR = "plots"
 
@@ -24,13 +25,16 @@ class MetricGroup:
     """One figure: ``file`` name stem, axis ``title`` and y ``label``, the ``metrics`` drawn in it (``name*``:
     every logged metric starting with ``name``, such as the run's ``eval_pass@k``); with a
     ``prefix`` (per-layer metrics such as ``routing_agreement/layer``), every logged metric named
-    ``prefix<N>`` too, in layer order (``metrics_of``)."""
+    ``prefix<N>`` too, in layer order (``metrics_of``). ``source``: the run folder's file the metrics are
+    read from, whose steps the x axis counts (``xlabel``)."""
 
     file: str
     title: str
     ylabel: str
     metrics: tuple[str, ...]
     prefix: str = ""
+    source: str = METRICS_FILE
+    xlabel: str = "step"
 
 
 GROUPS: tuple[MetricGroup, ...] = (
@@ -53,6 +57,8 @@ GROUPS: tuple[MetricGroup, ...] = (
                 ("rollout_seq_mask_frac", "opsm_mask_frac", "icepop_mask_frac", "clip_frac_dual_token", "cispo_clip_frac")),
     MetricGroup("tool_use", "Tool use (rollout.multi_turn)", "responses calling a tool",
                 ("tool_use_frac", "eval_tool_use_frac")),
+    MetricGroup("warm_start_loss", "Supervised warm start (before RL step 1)", "mean NLL per response token",
+                ("sft_loss",), source=SFT_METRICS_FILE, xlabel="sft step"),
 )
 
 Series = tuple[list[int], list[float]]
@@ -62,6 +68,16 @@ Series = tuple[list[int], list[float]]
 class Run:
     label: str
     records: list[dict[str, Any]]
+    warm_start: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # SFT_METRICS_FILE's records
+
+    def records_of(self, group: MetricGroup) -> list[dict[str, Any]]:
+        return self.warm_start if group.source == SFT_METRICS_FILE else self.records
+
+
+def load_warm_start(run_dir: Path) -> list[dict[str, Any]]:
+    """The warm start's records; none when the run had no warm start (no file)."""
+    path = Path(run_dir) / SFT_METRICS_FILE
+    return read_metrics(path) if path.is_file() else []
 
 
 def load_run(run_dir: Path) -> list[dict[str, Any]]:
@@ -97,7 +113,7 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
 def metrics_of(group: MetricGroup, runs: list[Run]) -> list[str]:
     """``group.metrics`` with each ``name*`` replaced by the keys the runs logged that start with ``name``
     (e.g. eval_pass@4; none logged: ``name`` + ``k``), then the runs' ``group.prefix<N>`` metrics, by N."""
-    logged = {key for r in runs for record in r.records for key in record}
+    logged = {key for r in runs for record in r.records_of(group) for key in record}
     metrics = []
     for m in group.metrics:
         if not m.endswith("*"):
@@ -115,7 +131,7 @@ def _draw_panel(ax, group: MetricGroup, runs: list[Run]) -> bool:
     from matplotlib.ticker import MaxNLocator
 
     metrics = metrics_of(group, runs)
-    present = [m for m in metrics if any(series(r.records, m)[0] for r in runs)]
+    present = [m for m in metrics if any(series(r.records_of(group), m)[0] for r in runs)]
     absent = [m for m in metrics if m not in present]
     title = group.title if not absent else f"{group.title} (absent: {', '.join(absent)})"
     ax.set_title(title, fontsize=9)
@@ -128,13 +144,13 @@ def _draw_panel(ax, group: MetricGroup, runs: list[Run]) -> bool:
     for run_index, run in enumerate(runs):
         color = f"C{run_index % 10}"
         for metric_index, metric in enumerate(present):
-            steps, values = series(run.records, metric)
+            steps, values = series(run.records_of(group), metric)
             if not steps:
                 continue
             label = run.label if len(present) == 1 else f"{run.label}: {metric}"
             ax.plot(steps, values, linestyle=styles[metric_index % len(styles)], color=color, label=label,
                     marker="." if len(steps) <= 50 else None)
-    ax.set_xlabel("step")
+    ax.set_xlabel(group.xlabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_ylabel(group.ylabel)
     ax.grid(True, alpha=0.3)
@@ -160,10 +176,10 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None) -> list[Path]:
     if not run_dirs:
         raise ValueError("plot_runs: no run folders given")
     run_dirs = [Path(d) for d in run_dirs]
-    runs = [Run(label, load_run(d)) for label, d in zip(run_labels(run_dirs), run_dirs)]
+    runs = [Run(label, load_run(d), load_warm_start(d)) for label, d in zip(run_labels(run_dirs), run_dirs)]
     out_dir = Path(out_dir) if out_dir is not None else run_dirs[0] / PLOTS_DIR
 
-    with_data = [g for g in GROUPS if any(series(r.records, m)[0] for r in runs for m in metrics_of(g, runs))]
+    with_data = [g for g in GROUPS if any(series(r.records_of(g), m)[0] for r in runs for m in metrics_of(g, runs))]
     if not with_data:
         wanted = sorted({m for g in GROUPS for m in g.metrics} | {f"{g.prefix}N" for g in GROUPS if g.prefix})
         files = ", ".join(str(d / METRICS_FILE) for d in run_dirs)

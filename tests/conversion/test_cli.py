@@ -54,3 +54,24 @@ def test_the_demo_tokenizer_folder_is_the_data_layers(tmp_path):
     (tmp_path / "gspo_meta.json").write_text(json.dumps({"config": {"model": {"config": {"vocab_size": 100}}}}))
     folder, why = offline.tokenizer_source(tmp_path, None)
     assert folder == Path(demo_tokenizer_path()).resolve() and why.startswith("the repository's demo tokenizer")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_check_on_spawned_ranks_prints_none_of_the_known_harmless_warnings(folders):
+    """`convert check --ep 2` runs on two spawned ranks, which do not inherit the command's warning filters:
+    each rank imported Megatron and printed ~15 apex / Transformer Engine / deprecation warnings."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root, hf, _ = folders
+    assert cli.main(["hf-to-megatron", "--hf-dir", str(hf), "--out", str(root / "meg_ep"), "--no-progress"]) == 0
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    done = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "convert", "check", "--hf-dir", str(hf),
+                           "--megatron-dir", str(root / "meg_ep"), "--ep", "2"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "ep=2" in done.stdout and done.stdout.strip().endswith(": ok")
+    assert "Warning" not in done.stderr, done.stderr

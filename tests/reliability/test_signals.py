@@ -53,3 +53,6 @@ def test_a_signal_in_the_warm_start_saves_it_and_the_resume_continues_it(tmp_pat
         assert f"(in the warm start, sft step {meta['warm_start']['step']})" in resumed.stdout
         assert f"sft step {meta['warm_start']['step'] + 2}/{meta['warm_start']['step'] + 2}" in resumed.stdout
         assert "resume: sft.steps 400 -> " in resumed.stdout
+        # the warm start's losses: one per sft step, the stopped run's kept and continued, none twice
+        losses = (run_dir / "sft_metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in losses] == list(range(1, meta["warm_start"]["step"] + 3))

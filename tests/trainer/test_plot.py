@@ -125,3 +125,21 @@ def test_per_layer_agreement_panel_draws_every_logged_layer_in_order(tmp_path):
     assert names == ["routing_agreement.png", "routing_agreement_layers.png", "overview.png"]
     for path in (run / "plots").glob("*.png"):
         _assert_png(path)
+
+
+def test_warm_start_loss_gets_its_chart_by_sft_step(tmp_path):
+    """sft_metrics.jsonl (the warm start, before RL step 1) is drawn against its own steps; a run without a warm
+    start gets no such chart."""
+    a, b = tmp_path / "warm", tmp_path / "cold"
+    _make_run(a, 1.0, with_drift=False)
+    _make_run(b, 1.0, with_drift=False)
+    (a / "sft_metrics.jsonl").write_text("".join(json.dumps({"step": s, "sft_loss": 3.0 / s}) + "\n"
+                                                 for s in range(1, 41)))
+    written = plot.plot_runs([a])
+    assert [p.name for p in written][-2:] == ["warm_start_loss.png", "overview.png"]
+    _assert_png(a / "plots" / "warm_start_loss.png")
+    group = next(g for g in plot.GROUPS if g.file == "warm_start_loss")
+    run = plot.Run("warm", plot.load_run(a), plot.load_warm_start(a))
+    assert plot.series(run.records_of(group), "sft_loss") == (list(range(1, 41)), [3.0 / s for s in range(1, 41)])
+    assert plot.series(run.records, "sft_loss") == ([], [])  # RL steps hold no warm-start loss
+    assert "warm_start_loss.png" not in [p.name for p in plot.plot_runs([b])]

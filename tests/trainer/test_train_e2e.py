@@ -61,6 +61,10 @@ def test_short_run_then_resume_matches_uninterrupted(tmp_path):
     assert (tmp_path / "full" / "config.yaml").is_file()
     ckpts = sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir())
     assert ckpts == ["step_000002", "step_000004"]  # keep_last: 2
+    # the warm start's loss, by sft step, in its own file (RL's steps stay 0..4 in metrics.jsonl)
+    warm = [json.loads(line) for line in (tmp_path / "full" / "sft_metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in warm] == list(range(1, 31)) and all(m.keys() == {"step", "sft_loss"} for m in warm)
+    assert warm[-1]["sft_loss"] < 0.7 * warm[0]["sft_loss"]
 
     # `gspo-megatron eval` on the last checkpoint reproduces the run's own held-out greedy accuracy
     out = tmp_path / "eval.json"
@@ -78,6 +82,8 @@ def test_short_run_then_resume_matches_uninterrupted(tmp_path):
     assert kill_after_checkpoint(tmp_path / "split", 2, "train.steps=4", *common) == -signal.SIGKILL
     resumed = train(tmp_path / "split", "train.steps=4", *common, resume=True)
     assert [m["step"] for m in resumed] == steps
+    split_warm = [json.loads(line) for line in (tmp_path / "split" / "sft_metrics.jsonl").read_text().splitlines()]
+    assert split_warm == warm  # the resume did not run the warm start again (nor append to its losses)
     for a, b in zip(resumed, full):
         for key in ("reward_mean", "pg_loss", "grad_norm", "seq_ratio_mean", "eval_accuracy", "routing_drift"):
             if key in b:
