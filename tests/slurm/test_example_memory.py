@@ -16,7 +16,7 @@ PLANNED = {
     # "4 nodes x 8 x 80 GB"; qwen3_30b_a3b_gspo_multinode.sbatch starts TP4 servers at mem fraction 0.40
     "qwen3_30b_a3b_gspo_multinode.yaml": ("qwen3-30b-a3b", 32, 80 * GB, 4, 0.40),
 }
-GPU_EXAMPLES = sorted(p.name for p in (REPO_ROOT / "examples").glob("*.yaml") if p.name != "cpu_demo.yaml")
+GPU_EXAMPLES = sorted(p.name for p in (REPO_ROOT / "examples").glob("*.yaml") if not p.name.startswith("cpu_"))  # cpu_*: CPU runs, fp32
 
 
 @pytest.mark.parametrize("name", sorted(PLANNED))
