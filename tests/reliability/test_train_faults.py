@@ -47,7 +47,7 @@ def test_fresh_start_into_an_earlier_run_and_a_bad_resume_are_refused_keeping_co
     fresh = _run(train_command(run_dir, *RUN))
     assert fresh.returncode == 2, fresh.stderr[-2000:]
     assert _error_lines(fresh.stderr) == [f"gspo-megatron train: error: {run_dir}: holds an earlier run (checkpoints, "
-                                          f"config.yaml, metrics.jsonl); pass --resume to continue it, or choose another "
+                                          f"completions.jsonl, config.yaml, metrics.jsonl, sft_metrics.jsonl); pass --resume to continue it, or choose another "
                                           f"--run-dir (or delete that folder)"]
     other_model = _run(train_command(run_dir, *RUN, "model.config.hidden_size=32", resume=True))
     assert other_model.returncode == 2, other_model.stderr[-2000:]
