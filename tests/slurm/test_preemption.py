@@ -39,13 +39,15 @@ def test_first_signal_is_kept() -> None:
 def test_uninstall_restores_previous_handlers() -> None:
     seen: list[int] = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    # whatever SIGTERM did before (pytest's cluster fixtures tear down on SIGTERM, tests/slurm/cluster.py)
+    term_before = signal.getsignal(signal.SIGTERM)
     try:
         flag = PreemptionFlag().install()
         assert flag.installed
         assert signal.getsignal(signal.SIGTERM) == flag._handle
         flag.uninstall()
         assert not flag.installed
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) == term_before
         _deliver(signal.SIGUSR1)
         assert seen == [signal.SIGUSR1] and not flag.requested
         flag.uninstall()  # a second uninstall is a no-op
