@@ -72,3 +72,16 @@ def kill_tagged(tag: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def start_train(run_dir, overrides, nproc: int, env: dict):
+    """``gspo-megatron train`` in the background: (process, its output lines as they come, the reader thread)."""
+    import subprocess
+    import threading
+
+    proc = subprocess.Popen(train_command(run_dir, *overrides, nproc=nproc), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    return proc, out, reader

@@ -3,14 +3,12 @@ save: no process of its tree (launcher, torchrun, ranks, Megatron's checkpoint w
 manager) may remain a few seconds later. Processes are found by a unique environment variable."""
 import re
 import signal
-import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.reliability.helpers import REPO, describe, kill_tagged, tagged_env, tagged_pids, train_command, wait_until_gone
+from tests.reliability.helpers import REPO, start_train, describe, kill_tagged, tagged_env, tagged_pids, train_command, wait_until_gone
 
 pytestmark = pytest.mark.slow
 
@@ -46,11 +44,7 @@ def test_no_process_outlives_a_killed_train(tmp_path, nproc, sig, phase):
     overrides = ["train.steps=20", "eval.every_steps=0", *OVERRIDES[phase]]
     if nproc == 2:
         overrides.append("parallel.expert_parallel=2")
-    proc = subprocess.Popen(train_command(run_dir, *overrides, nproc=nproc), cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
+    proc, out, reader = start_train(run_dir, overrides, nproc, env)
     try:
         deadline = time.monotonic() + 600
         while not PHASES[phase](run_dir, out):

@@ -5,12 +5,11 @@ Ctrl-C), leaves no process and no lock, and the resume continues the warm start 
 import json
 import signal
 import subprocess
-import threading
 import time
 
 import pytest
 
-from tests.reliability.helpers import REPO, describe, kill_tagged, tagged_env, train_command, wait_until_gone
+from tests.reliability.helpers import REPO, start_train, describe, kill_tagged, tagged_env, train_command, wait_until_gone
 
 pytestmark = pytest.mark.slow
 WARM = ["train.steps=1", "sft.steps=400", "eval.every_steps=0"]
@@ -21,11 +20,7 @@ def test_a_signal_in_the_warm_start_saves_it_and_the_resume_continues_it(tmp_pat
     env, tag = tagged_env()
     run_dir = tmp_path / "run"
     overrides = WARM + (["parallel.expert_parallel=2"] if nproc == 2 else [])
-    proc = subprocess.Popen(train_command(run_dir, *overrides, nproc=nproc), cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
+    proc, out, reader = start_train(run_dir, overrides, nproc, env)
     try:
         deadline = time.monotonic() + 600
         while not any(line.startswith("sft step 1/400") for line in out):
