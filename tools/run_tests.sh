@@ -5,7 +5,8 @@
 #      Megatron-Core itself (the newest end of the supported range, docs/cpu-runtime.md).
 #   3. sglang: the tests against real SGLang 0.5.23 servers on CPU (SGLANG_SUBSET below, marked `sglang`;
 #      they skip in the other legs). The servers' venv lives in the cache folder (tools/setup_env.sh sglang,
-#      ~9 min on a fresh machine, then reused); the tests run in .venv and launch the servers from it.
+#      ~9 min on a fresh machine, installed in the background while the other legs run, then reused); the
+#      tests run in .venv and launch the servers from it.
 # Extra arguments go to pytest in every leg. GSPO_LEGS=py311 (or py312, sglang, or several) runs those only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,20 @@ SGLANG_SUBSET=(
 
 legs=${GSPO_LEGS:-py311 py312 sglang}
 status=0
+# On a fresh machine the SGLang venv takes ~9 minutes of downloads and unpacking: start it now, at low priority,
+# so it overlaps the other legs instead of adding to them (a no-op when the cache already holds it).
+sglang_install_pid=
+case " $legs " in
+  *" sglang "*)
+    sglang_install_log=$(mktemp "${TMPDIR:-/tmp}/gspo-sglang-install.XXXXXX")
+    # its own process group (setsid), so stopping this script stops pip too, not only its bash
+    setsid nice -n 19 bash tools/setup_env.sh sglang > "$sglang_install_log.python" 2> "$sglang_install_log" &
+    sglang_install_pid=$!
+    trap 'kill -TERM -- -$sglang_install_pid 2>/dev/null || true; rm -f "$sglang_install_log" "$sglang_install_log.python"' EXIT
+    ;;
+esac
+# a TERM / INT / HUP (a CI timeout) exits through the EXIT trap above
+trap 'exit 143' TERM INT HUP
 for leg in $legs; do
   start=$SECONDS
   case "$leg" in
@@ -52,7 +67,7 @@ for leg in $legs; do
       pytest_pid=$!
       trap 'kill -TERM $pytest_pid 2>/dev/null; wait $pytest_pid; [ "$slurm_started" = 1 ] && bash tools/slurm/local_cluster.sh stop > /dev/null 2>&1; exit 143' TERM INT HUP
       wait $pytest_pid || status=$?
-      trap - TERM INT HUP
+      trap 'exit 143' TERM INT HUP
       if [ "$slurm_started" = 1 ]; then
         bash tools/slurm/local_cluster.sh stop > /dev/null 2>&1 || true
         unset SLURM_CONF
@@ -64,8 +79,14 @@ for leg in $legs; do
       ;;
     sglang)
       bash tools/setup_env.sh py311
-      sglang_python=$(bash tools/setup_env.sh sglang)
-      GSPO_SGLANG_PYTHON=$sglang_python .venv/bin/python -m pytest "$@" "${SGLANG_SUBSET[@]}" || status=$?
+      if wait "$sglang_install_pid"; then
+        sglang_python=$(tail -n 1 "$sglang_install_log.python")
+        GSPO_SGLANG_PYTHON=$sglang_python .venv/bin/python -m pytest "$@" "${SGLANG_SUBSET[@]}" || status=$?
+      else
+        echo "tools/run_tests.sh: the SGLang venv could not be installed (tools/setup_env.sh sglang):" >&2
+        cat "$sglang_install_log" >&2
+        status=1
+      fi
       ;;
     *)
       echo "tools/run_tests.sh: unknown leg '$leg' in GSPO_LEGS (expected py311, py312, sglang)" >&2
