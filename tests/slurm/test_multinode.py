@@ -110,11 +110,18 @@ def test_two_nodes_train_like_one_node(slurm_multinode: MultiNodeSlurm, ep2_refe
 
 
 def _rank_pid(cluster: MultiNodeSlurm, node: str) -> int:
-    # the trainer itself, not srun or the batch shell, whose command lines name it too
-    ranks = [pid for pid, args in cluster.processes(node).items()
-             if args.startswith(f"{sys.executable} -m gspo_megatron.cli train")]
+    # the trainer itself, not srun or the batch shell, whose command lines name it too, nor a child it forked
+    # (a reward worker keeps its parent's command line), so the matching process whose parent does not match
+    trainers = {pid for pid, args in cluster.processes(node).items()
+                if args.startswith(f"{sys.executable} -m gspo_megatron.cli train")}
+    ranks = [pid for pid in trainers if _parent(pid) not in trainers]
     assert len(ranks) == 1, cluster.processes(node)
     return ranks[0]
+
+
+def _parent(pid: int) -> int:
+    # /proc/PID/stat: "pid (comm) state ppid ...", comm may hold spaces
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
 
 
 def _assert_nodes_empty(cluster: MultiNodeSlurm) -> None:
