@@ -759,6 +759,8 @@ class Trainer:
         check_resumable(saved_config, to_dict(self.config), path)
         changes = resume_changes(saved_config, to_dict(self.config))  # refuses what cannot change, by name
         meta = ckpt.read_meta(path)
+        # other data (fingerprint, size, order) is refused before the load and before any change is logged
+        self.prompts.load_state_dict(meta["data"])
         warm = meta.get("warm_start")
         if warm is not None:
             self.policy.reset_optimizer(lr=self.config.sft.lr)  # the checkpoint holds the warm start's optimizer
@@ -771,7 +773,6 @@ class Trainer:
             self.reference.module.load_state_dict(
                 {k.removeprefix("reference."): v for k, v in state["reference"].items()}, strict=True)
         self.step = int(meta["step"])
-        self.prompts.load_state_dict(meta["data"])
         self.faults.update(meta["faults"])
         self._load_rollout_ahead(meta.get("rollout_ahead"), path)
         self.saved_step = self.step
