@@ -714,7 +714,7 @@ class Trainer:
         dist.barrier()
         self.saved_step, self.save_s = self.step, time.perf_counter() - started
         grace = self.config.train.preemption_grace_s
-        if self.is_main and grace and self.save_s > grace:
+        if self.is_main and grace and not fits_in_grace(grace, elapsed_s=0.0, rest_of_step_s=0.0, save_s=self.save_s):
             print(f"warning: train.preemption_grace_s={grace:g} is shorter than this checkpoint save "
                   f"({self.save_s:.1f} s): a save after a signal would be killed; raise it and the scheduler's grace "
                   f"(docs/slurm.md, \"Preemption grace\")", flush=True)
