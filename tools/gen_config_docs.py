@@ -24,7 +24,9 @@ start-up with a message naming the dotted field. The resolved config is saved as
 
 Paths: one rule for every path field (`data.train_files`, `data.eval_files`, `model.hf_dir`,
 `model.tokenizer_dir`, `rewards.import_dirs`): a relative path is relative to the config file's folder,
-on the command line too. `model.hf_dir` and `model.tokenizer_dir` must be folders when the run starts (a
+on the command line too. A relative path on the command line that also names an existing file or folder
+relative to the current folder (a different one) is refused, naming both: give the one you mean as an
+absolute path. `model.hf_dir` and `model.tokenizer_dir` must be folders when the run starts (a
 name such as `Qwen/Qwen3-8B` is a folder beside the config, never a Hub download: download it first).
 Sections `data:` and `model:` are required; a missing one is named.
 

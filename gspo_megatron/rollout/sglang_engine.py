@@ -26,14 +26,14 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from gspo_megatron.rollout.ahead import SubmittedGenerations
-from gspo_megatron.rollout.base import RolloutEngine, Sample, SamplingParams
+from gspo_megatron.rollout.base import RolloutEngine, RolloutInputError, Sample, SamplingParams
 from gspo_megatron.rollout.process_engine import GenerationResult
 from gspo_megatron.rollout.sglang_config import MEMORY_TAGS, SGLangConfig
 from gspo_megatron.rollout.sglang_cpu import cpu_server_env, libcuda_standin_dir
 from gspo_megatron.rollout.sglang_http import (RetriesExhausted, RetryPolicy, ServerBusy, ServerRejected,
                                                ServerUnreachable, call_with_retry, request)
-from gspo_megatron.rollout.sglang_protocol import (ServerInfo, build_generate_request, launch_command, launch_env,
-                                                   parse_generate_response, parse_server_info)
+from gspo_megatron.rollout.sglang_protocol import (ServerInfo, build_generate_request, context_refusal, launch_command,
+                                                   launch_env, parse_generate_response, parse_server_info)
 from gspo_megatron.rollout.sglang_server import ServerProcess, ServerStartError, probe_health, wait_healthy
 from gspo_megatron.rollout.sglang_weight_sync import (DiskCheckpointWriter, NamedTensors, TrainerBroadcastGroup,
                                                       bucket_named_tensors, init_group_body, rank_offsets,
@@ -126,13 +126,13 @@ def _with_last(items: Iterable[NamedTensors]) -> Iterator[tuple[NamedTensors, bo
 
 def _validate_prompts(prompts: Sequence[Sequence[int]]) -> None:
     if not prompts:
-        raise ValueError("generate needs at least one prompt")
+        raise RolloutInputError("generate needs at least one prompt")
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
-            raise ValueError(f"prompts[{i}] is empty")
+            raise RolloutInputError(f"prompts[{i}] is empty")
         bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or t < 0]
         if bad:
-            raise ValueError(f"prompts[{i}] has non token ids {bad[:5]}")
+            raise RolloutInputError(f"prompts[{i}] has non token ids {bad[:5]}")
 
 
 class SGLangEngine(RolloutEngine):
@@ -322,7 +322,7 @@ class SGLangEngine(RolloutEngine):
         self._check_open()
         _validate_prompts(prompts)
         if samples_per_prompt < 1:
-            raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+            raise RolloutInputError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
         if self._sync is not None:
             raise SGLangEngineError("generate called in the middle of a weight sync (no final=True update yet)")
         routed_shape = self._routed_experts_shape() if params.return_routed_experts else None
@@ -358,8 +358,17 @@ class SGLangEngine(RolloutEngine):
                 continue
             except ServerRejected as err:
                 self._release(slot)
+                refusal = context_refusal(err.body)
+                if refusal is not None:
+                    # deterministic: every server of this model refuses it, so neither retried nor restarted
+                    longest = max(len(prompts[i]) for i in chunk)
+                    raise RolloutInputError(
+                        f"{where}: {slot.url} refused a prompt that does not fit its context length: {refusal} (the "
+                        f"longest prompt of the request has {longest} tokens, max_new_tokens is {params.max_new_tokens}; "
+                        f"lower data.max_prompt_tokens or rollout.max_new_tokens, or serve a longer --context-length)"
+                    ) from err
                 raise SGLangEngineError(f"{where}: rejected by the server (not retried: a malformed request or a bad "
-                                        f"input such as a prompt longer than the context): {err}") from err
+                                        f"input): {err}") from err
             self._release(slot)
             return parse_generate_response(response, req, prompts, routed_experts_shape=routed_shape,
                                            where=f"{slot.url}{where}")

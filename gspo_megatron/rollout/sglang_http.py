@@ -32,9 +32,12 @@ class ServerBusy(SGLangHTTPError):
 
 
 class ServerRejected(SGLangHTTPError):
-    def __init__(self, message: str, status: int):
+    """``body``: the answer, decoded (JSON, else text), so a caller can tell one refusal from another."""
+
+    def __init__(self, message: str, status: int, body: Any = None):
         super().__init__(message)
         self.status = status
+        self.body = body
 
 
 class RetriesExhausted(SGLangHTTPError):
@@ -88,9 +91,23 @@ def request(url: str, method: str, path: str, payload: Any = None, *, timeout_s:
     finally:
         conn.close()
     if 400 <= status < 500:
-        raise ServerRejected(f"{where}: HTTP {status}: {_excerpt(data)}", status)
+        raise ServerRejected(f"{where}: HTTP {status}: {_excerpt(data)}", status, _error_body(data))
     if status >= 500:
         raise ServerBusy(f"{where}: HTTP {status}: {_excerpt(data)}")
+    return _decoded(data, content_type)
+
+
+def _error_body(data: bytes) -> Any:
+    """A refusal's body: SGLang's JSON (``{"error": {"message": ...}}``), else its text. A body that is not
+    JSON stays text: the ServerRejected raised with it says what came back either way."""
+    text = data.decode("utf-8", errors="replace")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _decoded(data: bytes, content_type: str) -> Any:
     if not data:
         return None
     if "json" in content_type:

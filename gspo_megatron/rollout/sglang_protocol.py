@@ -202,6 +202,22 @@ def parse_generate_response(response: Any, request: GenerateRequest, prompts: Se
     return samples
 
 
+# SGLang 0.5.23 tokenizer_manager._validate_one_request: a prompt of N tokens with N >= the context length,
+# or N + max_new_tokens > it, is refused before any work, as HTTP 400 {"error": {"message": ...}}
+# (http_server._create_error_response) with one of these two sentences.
+CONTEXT_REFUSALS = ("is longer than the model's context length", "exceeds the model's maximum context length")
+
+
+def context_refusal(body: Any) -> str | None:
+    """The server's message when a /generate was refused because a prompt (with its max_new_tokens) does not
+    fit the context length (``body``: the 400 answer, decoded); None for any other answer."""
+    error = body.get("error") if isinstance(body, Mapping) else None
+    message = error.get("message") if isinstance(error, Mapping) else None
+    if isinstance(message, str) and any(sentence in message for sentence in CONTEXT_REFUSALS):
+        return message
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------
 # Server facts
 # ----------------------------------------------------------------------------------------------------
@@ -284,7 +300,8 @@ def launch_env(cfg: SGLangLaunchConfig, device_env: Mapping[str, str] | None = N
     return env
 
 
-__all__ = ["GenerateRequest", "SGLangProtocolError", "ServerInfo", "build_generate_request",
+__all__ = ["CONTEXT_REFUSALS", "GenerateRequest", "SGLangProtocolError", "ServerInfo", "build_generate_request",
+           "context_refusal",
            "decode_routed_experts", "launch_command", "launch_env", "parse_finish_reason",
            "parse_generate_response", "parse_output", "parse_server_info", "sample_seed",
            "sampling_params_body"]

@@ -410,7 +410,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         data = loaded or {}
     data = apply_overrides(data, list(overrides))
     if path is not None:
-        resolve_paths(data, path)
+        resolve_paths(data, path, command_line=overridden_path_fields(overrides))
     if "data" not in data:
         raise ConfigError("data: required section is missing (data.train_files at least)")
     if not isinstance(data.get("model"), dict):
@@ -425,9 +425,27 @@ PATH_FIELDS = (("data", "train_files"), ("data", "eval_files"), ("model", "hf_di
 MUST_EXIST = (("model", "hf_dir"), ("model", "tokenizer_dir"))  # read at start-up; never taken as Hub names
 
 
-def resolve_paths(data: dict, config_file: Path) -> None:
+def overridden_path_fields(overrides: list[str] | tuple[str, ...]) -> set[tuple[str, str]]:
+    """The PATH_FIELDS that ``overrides`` (``a.b=value`` strings) set, directly or with their whole section."""
+    keys = [parse_override(text)[0] for text in overrides]
+    return {(section, key) for section, key in PATH_FIELDS for k in keys if k in ([section, key], [section])}
+
+
+def check_unambiguous(field: str, value: str, config_file: Path, cwd: Path) -> None:
+    """A relative path typed on the command line is relative to the config file's folder, like in the file; when
+    it also names something relative to the current folder, which one was meant cannot be told: refuse it,
+    naming both (it used to take the config folder's silently)."""
+    beside, here = (config_file.parent / value).resolve(), (cwd / value).resolve()
+    if beside != here and beside.exists() and here.exists():
+        raise ConfigError(f"{field}: {value!r} names both {beside} (relative to the folder of the config file "
+                          f"{config_file}, the rule for relative paths) and {here} (relative to the current folder); "
+                          f"give the one you mean as an absolute path")
+
+
+def resolve_paths(data: dict, config_file: Path, command_line: set[tuple[str, str]] = frozenset()) -> None:
     """Make the PATH_FIELDS of ``data`` absolute against ``config_file``'s folder (so a config runs from any
-    folder) and default rewards.import_dirs to that folder."""
+    folder) and default rewards.import_dirs to that folder. ``command_line``: the fields set by overrides,
+    whose relative paths must not also name something relative to the current folder (check_unambiguous)."""
     base = config_file.parent
     rewards = data.setdefault("rewards", {}) if isinstance(data.get("rewards", {}), dict) else None
     if rewards is not None and "import_dirs" not in rewards:
@@ -437,7 +455,12 @@ def resolve_paths(data: dict, config_file: Path) -> None:
         if not isinstance(node, dict) or node.get(key) is None:
             continue
         value = node[key]
-        absolute = lambda v: str((base / v).resolve()) if isinstance(v, str) and not Path(v).is_absolute() else v
+        relative = [v for v in (value if isinstance(value, list) else [value])
+                    if isinstance(v, str) and not Path(v).is_absolute()]
+        if (section, key) in command_line:
+            for v in relative:
+                check_unambiguous(f"{section}.{key}", v, config_file, Path.cwd())
+        absolute = lambda v: str((base / v).resolve()) if v in relative else v
         node[key] = [absolute(v) for v in value] if isinstance(value, list) else absolute(value)
 
 

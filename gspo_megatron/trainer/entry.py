@@ -54,6 +54,12 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     config = load_config(args.config, args.overrides)
     check_model_folders(config, args.config)
     check_world_size(config.parallel, args.nproc if launch.launcher == "single" else launch.world_size)
+    run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
+    if args.resume:
+        from gspo_megatron.trainer.resume import check_before_start
+        from gspo_megatron.typed_config import to_dict
+
+        check_before_start(to_dict(config), run_dir)  # a refused change: one line, no model built first
     if launch.launcher == "single" and args.nproc > 1:
         return _relaunch_with_torchrun(argv, args.nproc)
     if os.environ.get(processes.DIE_WITH_PARENT_ENV) == "1":
@@ -68,7 +74,6 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
 
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(launch.local_world_size, 1)))
-    run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
     if args.init_from is not None and config.sft.steps and launch.rank == 0:
         print(f"--init-from {args.init_from}: training starts from its weights; the warm start (sft.steps="
               f"{config.sft.steps}) is skipped (--init-from wins; pass sft.steps=0 to silence this)", flush=True)

@@ -714,7 +714,7 @@ class Trainer:
         dist.barrier()
         self.saved_step, self.save_s = self.step, time.perf_counter() - started
         grace = self.config.train.preemption_grace_s
-        if self.is_main and grace and self.save_s > grace:
+        if self.is_main and grace and not fits_in_grace(grace, elapsed_s=0.0, rest_of_step_s=0.0, save_s=self.save_s):
             print(f"warning: train.preemption_grace_s={grace:g} is shorter than this checkpoint save "
                   f"({self.save_s:.1f} s): a save after a signal would be killed; raise it and the scheduler's grace "
                   f"(docs/slurm.md, \"Preemption grace\")", flush=True)
@@ -759,6 +759,8 @@ class Trainer:
         check_resumable(saved_config, to_dict(self.config), path)
         changes = resume_changes(saved_config, to_dict(self.config))  # refuses what cannot change, by name
         meta = ckpt.read_meta(path)
+        # other data (fingerprint, size, order) is refused before the load and before any change is logged
+        self.prompts.load_state_dict(meta["data"])
         warm = meta.get("warm_start")
         if warm is not None:
             self.policy.reset_optimizer(lr=self.config.sft.lr)  # the checkpoint holds the warm start's optimizer
@@ -771,7 +773,6 @@ class Trainer:
             self.reference.module.load_state_dict(
                 {k.removeprefix("reference."): v for k, v in state["reference"].items()}, strict=True)
         self.step = int(meta["step"])
-        self.prompts.load_state_dict(meta["data"])
         self.faults.update(meta["faults"])
         self._load_rollout_ahead(meta.get("rollout_ahead"), path)
         self.saved_step = self.step

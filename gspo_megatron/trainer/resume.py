@@ -16,6 +16,8 @@ the data files (the prompt iterator refuses a dataset whose content or order dif
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Callable
 
 from gspo_megatron.typed_config import ConfigError
@@ -91,4 +93,24 @@ def resume_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
     return changes
 
 
-__all__ = ["REFUSED", "flatten", "resume_changes"]
+def check_before_start(current: dict, run_dir: Path) -> None:
+    """``--resume`` before torchrun or any rank starts: ``check_resumable`` and ``resume_changes`` against the
+    config saved in the run's newest checkpoint (``current``: to_dict of this run's config), so a refused change
+    is one line, exit 2, without a model built first. The trainer checks again against the checkpoint it
+    resumes from (the newest that verifies; a damaged one is skipped there, with a warning, not here)."""
+    from gspo_megatron.trainer.config import check_resumable
+
+    root = run_dir / "checkpoints"
+    metas = sorted(root.glob("step_*/gspo_meta.json"), reverse=True) if root.is_dir() else []
+    metas = [m for m in metas if not m.parent.name.endswith((".incomplete", ".old"))]
+    if not metas:
+        return  # nothing to resume yet: the run starts from the beginning
+    try:
+        saved = json.loads(metas[0].read_text()).get("config", {})
+    except json.JSONDecodeError:
+        return  # a damaged newest checkpoint: the trainer names it and falls back to an older one
+    check_resumable(saved, current, metas[0].parent)
+    resume_changes(saved, current)
+
+
+__all__ = ["REFUSED", "check_before_start", "flatten", "resume_changes"]

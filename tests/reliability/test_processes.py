@@ -5,6 +5,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from tests.reliability.helpers import REPO, describe, kill_tagged, tagged_env, wait_until_gone
 
 
@@ -102,3 +104,47 @@ def test_forwarding_launcher_passes_sigterm_and_reports_it():
     left = wait_until_gone(tag, 5)
     kill_tagged(tag)
     assert not left, describe(left)
+
+
+TORCHRUN = """
+import os, signal, subprocess, sys
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, lambda n, _f: print("torchrun got", signal.Signals(n).name, flush=True))
+rank = subprocess.Popen([sys.executable, sys.argv[1]], env={**os.environ, "LOCAL_RANK": "0"})
+sys.exit(rank.wait())
+"""
+RANK = """
+import signal, sys, time
+def save_and_exit(n, _f):  # what a rank does on a stop signal: checkpoint, then exit 0
+    print("rank got", signal.Signals(n).name, flush=True)
+    sys.exit(0)
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, save_and_exit)
+print("rank ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGHUP, 0), (signal.SIGINT, 130), (signal.SIGTERM, 0)])
+def test_the_nproc_launcher_stops_its_ranks_on_every_signal_with_the_single_process_status(tmp_path, sig, code):
+    """train --nproc: SIGHUP, SIGINT and SIGTERM to the launcher reach each rank as SIGTERM (a stop with a
+    checkpoint), torchrun untouched, and the launcher exits as one process does (entry.py: 0, 130 after
+    Ctrl-C; test_signals.py runs the real trainer for SIGHUP and SIGINT in one process, SIGTERM at 2)."""
+    (tmp_path / "torchrun.py").write_text(TORCHRUN)
+    (tmp_path / "rank.py").write_text(RANK)
+    proc, tag, lines = _run_parent(f"""
+        import sys
+        from gspo_megatron.processes import run_forwarding_signals
+        print("ready", flush=True)
+        code = run_forwarding_signals([sys.executable, {str(tmp_path / 'torchrun.py')!r}, {str(tmp_path / 'rank.py')!r}],
+                                      to_ranks=True)
+        print("exit", code, flush=True)
+    """, ready_lines=2)
+    assert lines[1].strip() == "rank ready"
+    time.sleep(0.3)  # the rank's environment (LOCAL_RANK) is readable once it has exec'd: it has, it printed
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=20)
+    left = wait_until_gone(tag, 5)
+    kill_tagged(tag)
+    assert not left, describe(left)
+    assert out.split("\n")[:2] == ["rank got SIGTERM", f"exit {code}"], out

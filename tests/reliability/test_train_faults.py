@@ -147,3 +147,20 @@ def test_a_resume_applies_a_changed_lr_and_refuses_a_new_kl_term_by_name(run_dir
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
     assert metrics[2]["lr"] == pytest.approx(1e-4) and metrics[3]["lr"] == pytest.approx(1e-3)
     assert "lr: 0.001" in (copy / "config.yaml").read_text()
+
+
+def test_a_resume_on_other_training_data_is_refused_with_exit_2(run_dir, tmp_path):
+    """The prompt iterator's fingerprint: one line, exit 2 (bad input), config.yaml and the lock as they were,
+    and no 'resume: data.train_files ... (applied)' before it (the data is checked before the checkpoint load)."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    config = (copy / "config.yaml").read_bytes()
+    data = tmp_path / "train.jsonl"  # the demo's prompts less the first: other content, other order
+    data.write_text("".join((REPO / "examples" / "data" / "sort" / "train.jsonl").read_text().splitlines(True)[1:]))
+    proc = _run(train_command(copy, *RUN, f"data.train_files=[{data}]", resume=True))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert _error_lines(proc.stderr) == ["gspo-megatron train: error: prompt iterator state: num_prompts is 600 in the "
+                                         "checkpoint but 599 now; resuming would not continue the same prompt order"]
+    assert "Traceback" not in proc.stderr and (copy / "config.yaml").read_bytes() == config
+    assert "resume: data.train_files" not in proc.stdout  # refused before any change is logged as applied
+    assert not (copy / ".lock").exists()

@@ -252,6 +252,32 @@ def test_correctness_comes_from_the_verdict_or_the_declared_range(tmp_path, monk
         _cfg([{"name": "a.b:f", "range": [1, 0]}])
 
 
+def test_a_0_to_10_reward_does_not_report_wrong_answers_as_accurate(tmp_path, monkeypatch):
+    """The trainer's metrics from the pool's verdicts: wrong answers scoring 3 and 7 on a 0-10 scale (>= 1,
+    which `reward >= 1.0` counted as correct: eval accuracy 1.0 for an untrained model) give no accuracy,
+    eval_accuracy or pass@k when the range is undeclared, and 0.0 once it is declared."""
+    import torch
+
+    from gspo_megatron.rollout.base import Sample
+    from gspo_megatron.trainer.loop import _any_correct, _batch_metrics, _fraction
+
+    (tmp_path / "gspo_test_correct.py").write_text(CORRECTNESS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    responses = [["3", "7"], ["7", "3"]]  # 2 prompts x 2 samples, all wrong (10 is right)
+    for term, accuracy in [({"name": "gspo_test_correct:ten_scale"}, None),
+                           ({"name": "gspo_test_correct:ten_scale", "range": [0, 10]}, 0.0)]:
+        with RewardPool(_cfg([term], num_workers=0)) as pool:
+            scores = pool.score_verdicts([({}, r) for group in responses for r in group])
+        assert scores.rewards == [3.0, 7.0, 7.0, 3.0]
+        batch = [({}, [Sample(i, [1, 2], [-0.5, -0.5], "stop") for _ in group], scores.rewards[2 * i:2 * i + 2],
+                  scores.correct[2 * i:2 * i + 2]) for i, group in enumerate(responses)]
+        metrics = _batch_metrics(batch, torch.tensor(scores.rewards).view(2, 2), torch.zeros(2, dtype=torch.bool))
+        assert metrics.get("accuracy") == accuracy and metrics["reward_mean"] == 5.0
+        # Trainer.evaluate's two: greedy pass@1 (the first sample) and pass@k (any of the group)
+        assert _fraction([oks[0] for _, _, _, oks in batch]) == accuracy
+        assert _fraction([_any_correct(oks) for _, _, _, oks in batch]) == accuracy
+
+
 @pytest.mark.parametrize("field, value", [("weight", ".nan"), ("weight", ".inf")])
 def test_non_finite_reward_settings_are_refused(field, value):
     import yaml

@@ -30,12 +30,19 @@ def raw_call(url: str, method: str, path: str, body: Any) -> tuple[int, Any]:
     return status, json.loads(text) if "json" in kind and text else text
 
 
-def conformance_calls() -> list[tuple[str, str, str, Any]]:
-    """(label, method, path, body) in order; the session calls depend on their order."""
+# calls whose answers must be equal, text included (the stand-in words its refusals like SGLang)
+SAME_TEXT = ("generate with a prompt beyond the context", "generate with max_new_tokens beyond the context")
+
+
+def conformance_calls(context_length: int) -> list[tuple[str, str, str, Any]]:
+    """(label, method, path, body) in order; the session calls depend on their order. ``context_length``:
+    the real server's --context-length (the stand-in is given the same)."""
     params = SamplingParams(max_new_tokens=4, stop_token_ids=[3, 4, 5])
     by_n = build_generate_request(PROMPTS, [0, 1], 2, params, seeded=False).body
     repeated = build_generate_request(PROMPTS, [0, 1], 2, SamplingParams(max_new_tokens=4, seed=3), seeded=True).body
     bad_top_k = {**by_n, "sampling_params": {**by_n["sampling_params"], "top_k": 0}}
+    long_prompt = build_generate_request([[7] * (context_length + 10)], [0], 1, params, seeded=False).body
+    long_answer = build_generate_request([[7] * (context_length - 2)], [0], 1, params, seeded=False).body
     empty_tensors = update_from_tensor_body([serialize_named_tensors([])], flush_cache=False, weight_version=None)
     return [
         ("health", "GET", "/health", None),
@@ -47,6 +54,8 @@ def conformance_calls() -> list[tuple[str, str, str, Any]]:
         ("generate repeated, one sampling_params each", "POST", "/generate", repeated),
         ("generate with top_k 0", "POST", "/generate", bad_top_k),
         ("generate without input_ids", "POST", "/generate", {**by_n, "input_ids": []}),
+        (SAME_TEXT[0], "POST", "/generate", long_prompt),
+        (SAME_TEXT[1], "POST", "/generate", long_answer),
         ("flush_cache", "POST", "/flush_cache", None),
         ("tensor update outside a session", "POST", "/update_weights_from_tensor", empty_tensors),
         ("begin_weight_update", "POST", "/begin_weight_update", {}),
@@ -83,4 +92,4 @@ def assert_same_shape(fake: Any, real: Any, where: str, *, top: bool = True) -> 
             assert_same_shape(a, b, f"{where}[{i}]", top=False)
 
 
-__all__ = ["assert_same_shape", "conformance_calls", "raw_call"]
+__all__ = ["SAME_TEXT", "assert_same_shape", "conformance_calls", "raw_call"]

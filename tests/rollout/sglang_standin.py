@@ -47,6 +47,7 @@ class StandinState:
     weight_update_session: bool = True
     session_open: bool = False
     load_format: str = "auto"  # the server's --load-format; disk updates without one inherit it
+    context_length: int = 4096  # the server's --context-length: longer prompts are refused like SGLang refuses them
     fail_generate: int = 0  # answer 503 to the next N /generate
     fail_paths: dict = dataclasses.field(default_factory=dict)  # path -> answer 503 to the next N posts there
     drop_generate: int = 0  # close the connection without an answer for the next N /generate
@@ -66,7 +67,7 @@ class StandinState:
         return {"tp_size": self.tp_size, "dp_size": self.dp_size, "base_gpu_id": self.base_gpu_id, "model_path": "standin",
                 "enable_deterministic_inference": self.deterministic, "enable_memory_saver": self.memory_saver,
                 "enable_return_routed_experts": self.routed_experts is not None, "skip_tokenizer_init": True,
-                "version": "standin (not SGLang)"}
+                "context_length": self.context_length, "version": "standin (not SGLang)"}
 
 
 class BadRequest(Exception):
@@ -88,6 +89,18 @@ def _check_sampling(sp: Any) -> None:
         raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
     if sp.get("max_new_tokens", 128) < 0:
         raise BadRequest("max_new_tokens must be at least 0")
+
+
+def _check_context(context_length: int, prompt_len: int, max_new_tokens: Any) -> None:
+    """SGLang 0.5.23 tokenizer_manager._validate_one_request, word for word (the conformance test compares)."""
+    if prompt_len >= context_length:
+        raise BadRequest(f"The input ({prompt_len} tokens) is longer than the model's context length "
+                         f"({context_length} tokens).")
+    if max_new_tokens is not None and max_new_tokens + prompt_len > context_length:
+        raise BadRequest(f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+                         f"You requested a total of {max_new_tokens + prompt_len} tokens: {prompt_len} tokens from the "
+                         f"input messages and {max_new_tokens} tokens for the completion. Please reduce the number of "
+                         f"tokens in the input messages or the completion to fit within the limit.")
 
 
 def _one_output(state: StandinState, prompt: list[int], sp: dict, sample_key: int, want_routed: bool) -> dict:
@@ -132,6 +145,8 @@ def fake_generate(state: StandinState, body: dict) -> list[dict] | dict:
     sp_list = sps if isinstance(sps, list) else [sps] * len(prompts)
     if len(sp_list) != len(prompts):
         raise BadRequest("sampling_params list must match the batch size")
+    for prompt, sp in zip(prompts, sp_list):
+        _check_context(state.context_length, len(prompt), sp.get("max_new_tokens") if isinstance(sp, dict) else None)
     for sp in sp_list:
         _check_sampling(sp)
     n = sp_list[0].get("n", 1)

@@ -17,12 +17,12 @@ import torch
 from safetensors.torch import load_file
 
 from gspo_megatron.rollout import sglang_engine, sglang_weight_sync
-from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.rollout.base import RolloutInputError, SamplingParams
 from gspo_megatron.rollout.sglang_config import SGLangConfig
 from gspo_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineError
 from gspo_megatron.typed_config import build
 
-from tests.rollout.sglang_conformance import assert_same_shape, conformance_calls, raw_call
+from tests.rollout.sglang_conformance import SAME_TEXT, assert_same_shape, conformance_calls, raw_call
 from tests.rollout.sglang_standin import StandinServer, StandinState
 from tests.rollout.sglang_cpu_models import CONTEXT, EOS, VOCAB, hf_logprobs, launch_engine, needs_sglang, save_model
 
@@ -113,8 +113,14 @@ class TestTwoDenseServers:
                 assert len(s.response_ids) == 10 and s.response_ids[-1] not in ends
 
     def test_over_long_prompt_is_refused_and_the_servers_stay_in_service(self, pair):
-        with pytest.raises(SGLangEngineError, match="rejected by the server"):
+        # an input error (exit 2 in the trainer, no restart) naming both lengths, in SGLang's words
+        with pytest.raises(RolloutInputError, match=rf"does not fit its context length: The input \({CONTEXT + 10} "
+                                                    rf"tokens\) is longer than the model's context length \({CONTEXT} "
+                                                    rf"tokens\)\. \(the longest prompt of the request has {CONTEXT + 10}"):
             pair.generate([[7] * (CONTEXT + 10)], 1, SamplingParams(max_new_tokens=4))
+        with pytest.raises(RolloutInputError, match=rf"maximum context length of {CONTEXT} tokens\. You requested a "
+                                                    rf"total of {CONTEXT + 2} tokens"):
+            pair.generate([[7] * (CONTEXT - 2)], 1, SamplingParams(max_new_tokens=4))
         assert pair.healthy() and len(pair.generate(PROMPTS[:2], 1, SamplingParams(max_new_tokens=2))) == 2
 
     def test_tensor_sync_of_cpu_tensors_changes_the_served_weights_and_back(self, pair, dense):
@@ -151,10 +157,10 @@ class TestTwoDenseServers:
         every field the stand-in answers is one the real server answers too (same JSON type)."""
         real_url = pair.slots[0].url
         differences = []  # every call is made, so one run lists all of them
-        with StandinServer(StandinState(vocab=VOCAB, memory_saver=False)) as standin:
-            for what, method, path, body in conformance_calls():
+        with StandinServer(StandinState(vocab=VOCAB, memory_saver=False, context_length=CONTEXT)) as standin:
+            for what, method, path, body in conformance_calls(CONTEXT):
                 real, fake = raw_call(real_url, method, path, body), raw_call(standin.url, method, path, body)
-                if real[0] != fake[0]:
+                if real[0] != fake[0] or (what in SAME_TEXT and real[1] != fake[1]):
                     differences.append(f"{what}: real server {real[0]} {real[1]!r:.300}, stand-in {fake[0]} {fake[1]!r:.300}")
                     continue
                 try:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gspo_megatron.rollout import sglang_engine as engine_mod
-from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.rollout.base import RolloutInputError, SamplingParams
 from gspo_megatron.rollout.sglang_config import SGLangConfig
 from gspo_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineError, attach_servers, launch_servers
 from gspo_megatron.typed_config import ConfigError, build
@@ -109,6 +109,23 @@ def test_transient_errors_are_retried_and_rejections_are_not():
         with pytest.raises(SGLangEngineError, match="rejected by the server.*memory is released"):
             engine.generate(PROMPTS, 2, PARAMS)
         assert srv.state.generate_calls == calls + 1
+
+
+def test_a_prompt_beyond_the_context_is_an_input_error_naming_both_lengths():
+    """SGLang refuses it with 400 {"error": {"message": ...}} (the conformance test compares the stand-in's
+    answer with a real server's): a RolloutInputError (exit 2, the trainer does not restart the engine), sent once."""
+    with StandinServer(StandinState(context_length=16)) as srv:
+        engine = _attach([srv], prompts_per_request=10)
+        with pytest.raises(RolloutInputError, match=r"does not fit its context length: The input \(20 tokens\) is "
+                                                    r"longer than the model's context length \(16 tokens\)\. \(the "
+                                                    r"longest prompt of the request has 20 tokens, max_new_tokens is 6"):
+            engine.generate([[5] * 3, [6] * 20], 2, PARAMS)
+        assert srv.state.generate_calls == 1
+        with pytest.raises(RolloutInputError, match=r"maximum context length of 16 tokens\. You requested a total of "
+                                                    r"18 tokens: 12 tokens from the input messages and 6 tokens"):
+            engine.generate([[5] * 12], 1, PARAMS)
+        _check_groups(engine.generate([[5] * 10], 1, PARAMS), [[5] * 10], 1)  # 10 + 6 fits exactly
+        assert srv.state.generate_calls == 3 and engine.healthy()
 
 
 def test_too_many_transient_errors_give_a_clear_error():

@@ -14,7 +14,7 @@ import torch
 from gspo_megatron.rollout.base import Sample, SamplingParams
 from gspo_megatron.trainer.overlap import (InFlight, RolloutAhead, overlap_timing, sample_from_dict, sample_to_dict,
                                            staleness, trainer_threads)
-from tests.trainer.test_train_e2e import DEMO, REPO, kill_after_checkpoint, train
+from tests.trainer.test_train_e2e import DEMO, ENV, REPO, command, kill_after_checkpoint, train
 
 
 class _Prompt:
@@ -204,6 +204,17 @@ def test_overlap_run_resumes_exactly_after_sigkill(tmp_path):
                     "logprob_gap_mean"):
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+    # overlap -> sync: the checkpoint holds the batches generated ahead; refused by name, exit 2 (bad input)
+    config = (tmp_path / "split" / "config.yaml").read_bytes()
+    sync = [o for o in common if o not in ("train.steps=4", "train.rollout_mode=overlap")] + ["train.steps=5"]
+    proc = subprocess.run(command(tmp_path / "split", *sync, resume=True), capture_output=True, text=True, timeout=600,
+                          cwd=REPO, env=ENV)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if "error:" in line] == [
+        "gspo-megatron train: error: train.rollout_mode: cannot change on resume ('overlap' in the checkpoint, 'sync' "
+        "now): an overlap checkpoint holds the batches generated ahead; resume it with train.rollout_mode=overlap. "
+        "Resume with train.rollout_mode=overlap, or start a new run (--init-from takes the weights)"], proc.stderr[-3000:]
+    assert (tmp_path / "split" / "config.yaml").read_bytes() == config
 
 
 def test_responses_stop_at_every_eos_of_the_generation_config(tmp_path):

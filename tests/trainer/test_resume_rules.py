@@ -1,11 +1,15 @@
 """trainer/resume.py: which settings a resume applies (and logs) and which it refuses, naming the field and
 both values (a pure function of the saved and the new config)."""
+import json
+import subprocess
+import sys
+
 import pytest
 
 from gspo_megatron.trainer.config import load_config
-from gspo_megatron.trainer.resume import resume_changes
+from gspo_megatron.trainer.resume import check_before_start, resume_changes
 from gspo_megatron.typed_config import ConfigError, to_dict
-from tests.reliability.helpers import DEMO
+from tests.reliability.helpers import DEMO, REPO, TINY, train_command
 
 
 def _pair(saved: list[str], now: list[str]):
@@ -42,3 +46,32 @@ def test_settings_the_checkpoint_depends_on_are_refused_by_name(saved, now, mess
 
 def test_sync_to_overlap_is_applied():
     assert resume_changes(*_pair([], ["train.rollout_mode=overlap"])) == [("train.rollout_mode", "sync", "overlap")]
+
+
+def _saved_run(run_dir, overrides: list[str], steps=(1, 2)):
+    """A run folder whose checkpoints hold only their gspo_meta.json (what the check before start reads)."""
+    for step in steps:
+        folder = run_dir / "checkpoints" / f"step_{step:06d}"
+        folder.mkdir(parents=True)
+        (folder / "gspo_meta.json").write_text(json.dumps({"step": step, "config": to_dict(load_config(DEMO, TINY + overrides))}))
+    return run_dir
+
+
+def test_a_refused_resume_is_found_before_any_rank_starts(tmp_path):
+    """The newest checkpoint's config against this run's, before torchrun or a model: an overlap run resumed in
+    sync mode is one line, exit 2, in the seconds the command line takes (it used to build the trainer first)."""
+    run_dir = _saved_run(tmp_path / "run", ["train.rollout_mode=overlap"])
+    with pytest.raises(ConfigError, match=r"^train.rollout_mode: cannot change on resume \('overlap' in the checkpoint"):
+        check_before_start(to_dict(load_config(DEMO, TINY)), run_dir)
+    check_before_start(to_dict(load_config(DEMO, TINY + ["train.rollout_mode=overlap", "train.steps=99"])), run_dir)
+    check_before_start(to_dict(load_config(DEMO)), tmp_path / "empty")  # nothing saved yet: nothing to refuse
+    (run_dir / "checkpoints" / "step_000003.incomplete").mkdir()  # a save in progress is not a checkpoint
+    ((run_dir / "checkpoints" / "step_000003.incomplete") / "gspo_meta.json").write_text("{}")
+    proc = subprocess.run(train_command(run_dir, "--nproc", "2", resume=True), capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if "error:" in line] == [
+        "gspo-megatron train: error: train.rollout_mode: cannot change on resume ('overlap' in the checkpoint, 'sync' "
+        "now): an overlap checkpoint holds the batches generated ahead; resume it with train.rollout_mode=overlap. "
+        "Resume with train.rollout_mode=overlap, or start a new run (--init-from takes the weights)"]
+    assert "torch.distributed.run" not in proc.stderr and not (run_dir / "config.yaml").exists()

@@ -79,6 +79,29 @@ def test_every_path_field_is_relative_to_the_config_file(tmp_path):
         check_model_folders(load_config(path, ["model.hf_dir=Qwen/Qwen3-0.6B", "model.config=null"]), path)
 
 
+def test_a_command_line_path_that_exists_beside_the_config_and_here_is_refused_naming_both(tmp_path, monkeypatch):
+    """One rule (relative to the config file's folder); when the same relative name also exists relative to
+    the current folder, which was meant cannot be told: an error naming both, not a silent pick."""
+    path = _user_config(tmp_path / "cfg")
+    (tmp_path / "here" / "data").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "here")
+    # only beside the config: taken from there, as in the file
+    assert load_config(path, ["data.eval_files=[data/eval.jsonl]"]).data.eval_files == [
+        str((tmp_path / "cfg" / "data" / "eval.jsonl").resolve())]
+    (tmp_path / "here" / "data" / "eval.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=rf"^data.eval_files: 'data/eval.jsonl' names both "
+                                          rf"{tmp_path.resolve()}/cfg/data/eval.jsonl \(relative to the folder of the "
+                                          rf"config file .*my_config.yaml, the rule for relative paths\) and "
+                                          rf"{tmp_path.resolve()}/here/data/eval.jsonl \(relative to the current folder\)"):
+        load_config(path, ["data.eval_files=[data/eval.jsonl]"])
+    with pytest.raises(ConfigError, match=r"^data.eval_files: 'data/eval.jsonl' names both"):  # a whole section too
+        load_config(path, ["data={train_files: [data/train.jsonl], eval_files: [data/eval.jsonl]}"])
+    # the same name inside the config file is the file's own (its folder), and an absolute path is never ambiguous
+    assert load_config(path).data.eval_files == [str((tmp_path / "cfg" / "data" / "eval.jsonl").resolve())]
+    here = str(tmp_path / "here" / "data" / "eval.jsonl")
+    assert load_config(path, [f"data.eval_files=[{here}]"]).data.eval_files == [here]
+
+
 def test_a_config_without_a_model_section_names_it(tmp_path):
     with pytest.raises(ConfigError, match=r"^model: required section is missing \(model.hf_dir"):
         load_config(_user_config(tmp_path, model=None))
