@@ -62,6 +62,12 @@ def test_colocated_layout_from_config_and_its_errors():
         colocated_layout(_cfg(launch={**launch, "tp_size": 2}), _place(0, 8, 8))
     with pytest.raises(SGLangSetupError, match="base_gpu_id be 0"):
         colocated_layout(_cfg(launch={**launch, "base_gpu_id": 4}), _place(0, 8, 8))
+    # the CPU demo at --nproc 2 with its one server: the error says what to set
+    cpu = {"model_path": "/m", "device": "cpu", "servers": 1}
+    with pytest.raises(SGLangSetupError, match=r"got 1 x 1 from GPU 0; with device cpu: rollout.sglang.launch.servers=2 "
+                       r"\(one server per trainer rank\) or rollout.sglang.weight_sync=disk"):
+        colocated_layout(_cfg(launch=cpu, release_memory=False), _place(0, 2, 2))
+    assert colocated_layout(_cfg(launch={**cpu, "servers": 2}, release_memory=False), _place(1, 2, 2)) == ColocatedLayout(1, 2, 2, 1)
     with pytest.raises(SGLangSetupError, match=r"rollout.sglang.urls: .*got 3 URL\(s\) for 2 node"):
         colocated_layout(_cfg(urls=urls[:3]), _place(0, 8, 4))
     with pytest.raises(SGLangSetupError, match=r"got 3 URL\(s\) for 1 node"):  # 3 servers cannot split 4 GPUs
