@@ -77,6 +77,24 @@ def test_colocated_layout_from_config_and_its_errors():
         colocated_layout(_cfg(urls=urls[:2]), odd)
 
 
+def test_the_sglang_demos_two_rank_command_fits_the_colocated_layout():
+    """examples/cpu_demo_sglang.yaml's header shows the 2-process command; its overrides must give every
+    rank a server (as first written, 1 server for 2 ranks, the run died at start-up)."""
+    from gspo_megatron.trainer.config import load_config
+
+    example = DEMO.with_name("cpu_demo_sglang.yaml")
+    header = [line.lstrip("#").strip() for line in example.read_text().splitlines() if line.startswith("#")]
+    start = next(i for i, line in enumerate(header) if "--nproc 2" in line)
+    words = header[start].rstrip("\\").split()
+    while header[start].endswith("\\"):
+        start += 1
+        words += header[start].split("#")[0].rstrip("\\").split()
+    overrides = [w for w in words if "=" in w]
+    assert "parallel.expert_parallel=2" in overrides
+    cfg = load_config(example, overrides)
+    for rank in range(2):
+        assert colocated_layout(cfg.rollout.sglang, _place(rank, 2, 2)).servers_per_node == 2
+
 def test_who_launches_and_who_posts():
     launch = _cfg(launch={"model_path": "/m"}, weight_sync="disk", disk_dir="/d")
     assert launching_rank(launch, _place(0, 4, 4)) and not launching_rank(launch, _place(1, 4, 4))
