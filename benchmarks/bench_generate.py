@@ -347,9 +347,10 @@ def plot_sglang(report: dict, path: Path) -> None:
             values = [report["models"][n][engine_key][key] for n in names]
             xs = [i + (j - 0.5) * 0.38 for i in range(len(names))]
             bars = ax.bar(xs, values, width=0.38, label=engine_label)
-            ax.bar_label(bars, fmt="%.0f" if key == "tokens_per_s_median" else "%.1f", fontsize=8)
+            ax.bar_label(bars, fmt="%.0f" if key == "tokens_per_s_median" else "%.2f", fontsize=8)
         ax.set_xticks(range(len(names)), names)
-        ax.set_ylabel(label)
+        ax.set_yscale("log")  # the engines differ by 10-1000x
+        ax.set_ylabel(label + ", log scale")
     axes[0].legend(fontsize=8)
     fig.suptitle("32 samples x 64 tokens, fp32, on a shared 2-core CPU (says nothing about GPUs)", fontsize=10)
     fig.tight_layout()
