@@ -105,10 +105,13 @@ def colocated_layout(cfg: SGLangConfig, place: LaunchEnv) -> ColocatedLayout:
     if cfg.launch is not None:
         launch = cfg.launch
         if launch.servers * launch.tp_size != L or launch.base_gpu_id != 0:
+            # CPU servers have tp_size 1, so the fix there is one server per rank (or disk sync, one poster)
+            hint = (f"; with device cpu: {PATH}.launch.servers={L} (one server per trainer rank) or "
+                    f"{PATH}.weight_sync=disk" if launch.device == "cpu" else "")
             raise SGLangSetupError(
                 f"{PATH}.launch: weight_sync 'tensor' with several ranks pairs trainer local rank r with GPU r of "
                 f"a server, so servers x tp_size must equal the {L} trainer ranks of the node and base_gpu_id be 0; "
-                f"got {launch.servers} x {launch.tp_size} from GPU {launch.base_gpu_id}")
+                f"got {launch.servers} x {launch.tp_size} from GPU {launch.base_gpu_id}{hint}")
         return ColocatedLayout(place.num_nodes, L, launch.servers, launch.tp_size)
     n = len(cfg.urls)
     per_node = n // place.num_nodes

@@ -62,6 +62,12 @@ def test_colocated_layout_from_config_and_its_errors():
         colocated_layout(_cfg(launch={**launch, "tp_size": 2}), _place(0, 8, 8))
     with pytest.raises(SGLangSetupError, match="base_gpu_id be 0"):
         colocated_layout(_cfg(launch={**launch, "base_gpu_id": 4}), _place(0, 8, 8))
+    # the CPU demo at --nproc 2 with its one server: the error says what to set
+    cpu = {"model_path": "/m", "device": "cpu", "servers": 1}
+    with pytest.raises(SGLangSetupError, match=r"got 1 x 1 from GPU 0; with device cpu: rollout.sglang.launch.servers=2 "
+                       r"\(one server per trainer rank\) or rollout.sglang.weight_sync=disk"):
+        colocated_layout(_cfg(launch=cpu, release_memory=False), _place(0, 2, 2))
+    assert colocated_layout(_cfg(launch={**cpu, "servers": 2}, release_memory=False), _place(1, 2, 2)) == ColocatedLayout(1, 2, 2, 1)
     with pytest.raises(SGLangSetupError, match=r"rollout.sglang.urls: .*got 3 URL\(s\) for 2 node"):
         colocated_layout(_cfg(urls=urls[:3]), _place(0, 8, 4))
     with pytest.raises(SGLangSetupError, match=r"got 3 URL\(s\) for 1 node"):  # 3 servers cannot split 4 GPUs
@@ -70,6 +76,24 @@ def test_colocated_layout_from_config_and_its_errors():
     with pytest.raises(SGLangSetupError, match="numbered node by node"):
         colocated_layout(_cfg(urls=urls[:2]), odd)
 
+
+def test_the_sglang_demos_two_rank_command_fits_the_colocated_layout():
+    """examples/cpu_demo_sglang.yaml's header shows the 2-process command; its overrides must give every
+    rank a server (as first written, 1 server for 2 ranks, the run died at start-up)."""
+    from gspo_megatron.trainer.config import load_config
+
+    example = DEMO.with_name("cpu_demo_sglang.yaml")
+    header = [line.lstrip("#").strip() for line in example.read_text().splitlines() if line.startswith("#")]
+    start = next(i for i, line in enumerate(header) if "--nproc 2" in line)
+    words = header[start].rstrip("\\").split()
+    while header[start].endswith("\\"):
+        start += 1
+        words += header[start].split("#")[0].rstrip("\\").split()
+    overrides = [w for w in words if "=" in w]
+    assert "parallel.expert_parallel=2" in overrides
+    cfg = load_config(example, overrides)
+    for rank in range(2):
+        assert colocated_layout(cfg.rollout.sglang, _place(rank, 2, 2)).servers_per_node == 2
 
 def test_who_launches_and_who_posts():
     launch = _cfg(launch={"model_path": "/m"}, weight_sync="disk", disk_dir="/d")
