@@ -1,7 +1,7 @@
 """Layout-independent training, end to end: the same config and seed train the same model at every
 parallel layout. The trainer runs (supervised warm start, rollouts, rewards, GSPO updates, weight syncs)
 at 1 process, TP=2, PP=2, EP=2, DP=2 and CP=2, and on 4 and 8 processes in combinations (TP2+EP2, PP2+DP2,
-TP2+PP2, CP2+TP2, CP2+EP2; TP2+PP2+EP2 over DP2), and every step's rewards must be identical and its losses and gradient
+TP2+PP2, CP2+TP2, CP2+EP2, CP2+DP2, CP2+PP2; TP2+PP2+EP2 over DP2), and every step's rewards must be identical and its losses and gradient
 norms equal up to float32 reduction-order noise (see TOL).
 
 What makes this hold: canonical random initialisation (megatron/canonical_init.py), per-sample sampling
@@ -37,9 +37,13 @@ LAYOUTS = {
                             "parallel.expert_parallel=2"]},
 }
 STEPS = {1: 4, 2: 4, 4: 2, 8: 2}
-# context parallelism combined, 4 processes, in a spawn of its own (the spawn timeout covers one spawn)
+# context parallelism combined, 4 processes, in a spawn of its own (the spawn timeout covers one spawn);
+# cp2_dp2 is CP=2 over two data-parallel ranks (DP is what the world size leaves). The spawn's first layout
+# pays the start-up (~80 s here); measured on 2 shared cores, each later one adds 12-15 s (docs/megatron.md)
 CP_LAYOUTS_4 = {"cp2_tp2": ["parallel.context_parallel=2", "parallel.tensor_parallel=2"],
-                "cp2_ep2": ["parallel.context_parallel=2", "parallel.expert_parallel=2"]}
+                "cp2_ep2": ["parallel.context_parallel=2", "parallel.expert_parallel=2"],
+                "cp2_dp2": ["parallel.context_parallel=2"],
+                "cp2_pp2": ["parallel.context_parallel=2", "parallel.pipeline_parallel=2"]}
 # Float32 sums in another order, amplified by the warm start's 40 Adam steps (a gradient element near
 # Adam's eps moves its weight by up to a whole step): measured on this config at 2 processes, grad norms
 # agree to <= 1e-3 relative, losses (~3e-4) to <= 1.3e-6 absolute, sequence ratios to <= 1.7e-4.

@@ -20,6 +20,7 @@ GLM4_MOE = ("model.config.architecture=glm4_moe", "model.config.first_dense_laye
             "model.config.moe_router_score_function=sigmoid", "model.config.moe_router_expert_bias=true",
             "model.config.moe_router_topk_scaling_factor=2.5", "model.config.moe_shared_expert_intermediate_size=64",
             "model.config.rotary_percent=0.5", "model.config.qkv_bias=true", "model.config.qk_layernorm=true")
+EP2 = "parallel.expert_parallel=2"  # the 2-rank layout of the replay checks (CP=2: "r3-cp2")
 # DeepSeek-V3 on the demo's shape: multi-latent attention (q latent 24, kv latent 20, 10 + 6 rotated query/key dims,
 # 12 value dims), layer 0 dense, a sigmoid router with a (frozen) expert bias and scaling 2.5, a shared expert
 DEEPSEEK_V3 = ("model.config.architecture=deepseek_v3", "model.config.num_key_value_heads=4",
@@ -30,8 +31,10 @@ DEEPSEEK_V3 = ("model.config.architecture=deepseek_v3", "model.config.num_key_va
                "model.config.moe_shared_expert_intermediate_size=64")
 
 
-def replayed_step(rank, world_size, run_dir: str, mode: str, model: tuple[str, ...] = ()) -> dict:
-    from gspo_megatron.megatron.routing import RoutingRecorder
+def replayed_step(rank, world_size, run_dir: str, mode: str, model: tuple[str, ...] = (),
+                  parallel: str = EP2) -> dict:
+    """One train step under ``mode``; on 2 ranks with ``parallel`` (EP=2, or CP=2: each rank holds two
+    chunks of every sequence, and the policy's recorder gathers them back in position order)."""
     from gspo_megatron.trainer.config import load_config
     from gspo_megatron.trainer.loop import Trainer
 
@@ -39,7 +42,7 @@ def replayed_step(rank, world_size, run_dir: str, mode: str, model: tuple[str, .
                  "train.prompts_per_step=4", f"train.routing_replay={mode}", "optimizer.lr=0.05",
                  "loss.entropy_coef=0.5", *model]  # rewards are 0 before the warm start: the entropy term moves the weights
     if world_size == 2:
-        overrides.append("parallel.expert_parallel=2")
+        overrides.append(parallel)
     trainer = Trainer(load_config(DEMO, overrides), run_dir)
     engine_rows: list[torch.Tensor] = []
     real_generate = trainer.engine.generate
@@ -56,9 +59,9 @@ def replayed_step(rank, world_size, run_dir: str, mode: str, model: tuple[str, .
     def train_minibatch(seqs, replay=False):
         checks["flags"].append(replay)
         checks["given"].extend(q.routed_experts.clone() for q in seqs if q.routed_experts is not None)
-        with RoutingRecorder(trainer.policy.module) as free:  # routing the current weights would pick
+        with trainer.policy.routing_recorder() as free:  # routing the current weights would pick
             trainer.policy.compute_logprobs(seqs)
-        with RoutingRecorder(trainer.policy.module) as rec:
+        with trainer.policy.routing_recorder() as rec:
             metrics = real_train(seqs, replay=replay)
         plan = trainer.policy._local_plan(seqs)
         for name, forwards in (("replayed", rec.routed_experts()), ("free", free.routed_experts())):
@@ -84,11 +87,12 @@ def replayed_step(rank, world_size, run_dir: str, mode: str, model: tuple[str, .
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, ranks, model", [("r3", 2, ()), ("r2", 1, ()), ("r3", 2, QWEN2_MOE), ("r3", 2, GLM4_MOE),
-                                                ("r3", 2, DEEPSEEK_V3)],
-                         ids=["r3", "r2", "r3-qwen2_moe", "r3-glm4_moe", "r3-deepseek_v3"])
-def test_update_forwards_replay_the_recorded_experts(tmp_path, mode, ranks, model):
-    outs = run_distributed(replayed_step, ranks, (str(tmp_path), mode, model))
+@pytest.mark.parametrize("mode, ranks, model, parallel",
+                         [("r3", 2, (), EP2), ("r2", 1, (), EP2), ("r3", 2, QWEN2_MOE, EP2), ("r3", 2, GLM4_MOE, EP2),
+                          ("r3", 2, DEEPSEEK_V3, EP2), ("r3", 2, (), "parallel.context_parallel=2")],
+                         ids=["r3", "r2", "r3-qwen2_moe", "r3-glm4_moe", "r3-deepseek_v3", "r3-cp2"])
+def test_update_forwards_replay_the_recorded_experts(tmp_path, mode, ranks, model, parallel):
+    outs = run_distributed(replayed_step, ranks, (str(tmp_path), mode, model, parallel))
     # each DP rank generates its share of the prompts; the update shares are cut from the gathered batch
     engine = {tuple(r.flatten().tolist()) for out in outs for r in out["engine_rows"]}
     for out in outs:
