@@ -12,15 +12,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # The one definition of the 3.12 leg: parallel equivalence and checkpoint layouts
-# (test_parallel_equivalence.py, tests/conversion/test_distributed.py), Megatron training (tests/megatron),
+# (test_parallel_equivalence.py, tests/conversion/test_distributed.py), Megatron training (tests/megatron but
+# test_temperature.py, whose engine-vs-trainer comparison is our code on top of the forward the others test),
 # a short trainer run with a resume, and the conversion round trip. tests/distributed/test_layout_runs.py
-# (4- and 8-process runs, ~5 min here) stays in the 3.11 leg only, to keep .ci/run under 25 minutes.
+# (4- and 8-process runs, ~8 min here) and the rest of test_train_e2e.py stay in the 3.11 leg only, to keep
+# .ci/run under 60 minutes.
 PY312_SUBSET=(
   tests/distributed/test_parallel_equivalence.py
   tests/megatron
+  --deselect tests/megatron/test_temperature.py
   tests/conversion/test_distributed.py
   tests/conversion/test_roundtrip.py
-  tests/trainer/test_train_e2e.py
+  tests/trainer/test_train_e2e.py::test_short_run_then_resume_matches_uninterrupted
 )
 
 # Real servers start once per test class (35-170 s each, ~3.7 GB; at most two at a time).

@@ -34,7 +34,9 @@ TINY = [f"train.steps={STEPS}", "sft.steps=0", "train.prompts_per_step=4", "roll
         "train.minibatches_per_step=2", "eval.num_prompts=4", "eval.every_steps=0", "checkpoint.every_steps=1",
         "logging.console=false", "logging.tensorboard=false",
         "rewards.terms=[{name: 'tests.slurm.digit_reward:digit_fraction'}]"]
-LAYOUTS = {"ep2": ["parallel.expert_parallel=2"], "dp2": []}
+# EP=2 over the two nodes also all-reduces the dense gradients across them (expert DP 1, dense DP 2), so a
+# separate DP=2 layout repeated that path for ~1.5 minutes of CI; it ran and matched (docs/slurm.md)
+LAYOUTS = {"ep2": ["parallel.expert_parallel=2"]}
 TWO_NODES = ["--nodes=2", "--ntasks-per-node=1"]
 ONE_NODE = ["--nodes=1", "--ntasks-per-node=2"]
 JOB_TIMEOUT_S = 600
@@ -91,14 +93,10 @@ def ep2_reference(slurm_multinode: MultiNodeSlurm, tmp_path_factory: pytest.Temp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_two_nodes_train_like_one_node(slurm_multinode: MultiNodeSlurm, ep2_reference: tuple[Path, str],
-                                       tmp_path: Path, layout: str) -> None:
-    if layout == "ep2":
-        two_dir, two_log = ep2_reference
-    else:
-        two_dir, two_log = run_job(slurm_multinode, tmp_path, "two-nodes", LAYOUTS[layout], TWO_NODES)
-    one_dir, one_log = run_job(slurm_multinode, tmp_path, "one-node", LAYOUTS[layout], ONE_NODE)
+                                       tmp_path: Path) -> None:
+    two_dir, two_log = ep2_reference
+    one_dir, one_log = run_job(slurm_multinode, tmp_path, "one-node", LAYOUTS["ep2"], ONE_NODE)
     assert hosts_of_ranks(two_log) == {0: "node1", 1: "node2"}, two_log[:2000]
     assert hosts_of_ranks(one_log) == {0: "node1", 1: "node1"}, one_log[:2000]
     assert "rendezvous node1:" in two_log
@@ -106,7 +104,7 @@ def test_two_nodes_train_like_one_node(slurm_multinode: MultiNodeSlurm, ep2_refe
     assert [r["step"] for r in two] == list(range(STEPS + 1))
     # Real training happened: rewards with spread, so non-zero gradients.
     assert all(r["grad_norm"] > 0 and r["reward_std"] > 0 for r in two[1:]), two
-    assert_same_metrics(two, one, f"{layout} on 2 nodes x 1 task vs 1 node x 2 tasks")
+    assert_same_metrics(two, one, "ep2 on 2 nodes x 1 task vs 1 node x 2 tasks")
 
 
 def _rank_pid(cluster: MultiNodeSlurm, node: str) -> int:
