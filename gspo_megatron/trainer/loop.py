@@ -41,7 +41,7 @@ from gspo_megatron.trainer import completions
 from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
 from gspo_megatron.trainer.preemption import PartialStep, fits_in_grace
 from gspo_megatron.trainer.metrics_log import SFT_METRICS_FILE, append_record, truncate_after
-from gspo_megatron.trainer.resume import resume_changes
+from gspo_megatron.trainer.resume import resume_changes, saved_checkpoints
 from gspo_megatron.trainer.run_dir import claim as claim_run_dir
 from gspo_megatron.trainer.run_dir import on_main_rank
 from gspo_megatron.typed_config import ConfigError, to_dict
@@ -667,12 +667,8 @@ class Trainer:
         """The newest checkpoint that verifies (ckpt.verify: files, sizes, metadata). Newer damaged ones are
         skipped with a warning naming each and why; none at all is None; only damaged ones is an error."""
         root = self.run_dir / "checkpoints"
-        if not root.is_dir():
-            return None
-        done = sorted((p for p in root.iterdir() if p.name.startswith("step_") and (p / "gspo_meta.json").is_file()
-                       and not p.name.endswith((".incomplete", ".old"))), reverse=True)
         skipped = []
-        for path in done:
+        for path in saved_checkpoints(root):
             try:
                 ckpt.verify(path)
             except ckpt.CheckpointError as err:

@@ -93,6 +93,15 @@ def resume_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
     return changes
 
 
+def saved_checkpoints(root: Path) -> list[Path]:
+    """The checkpoint folders under ``root`` that finished saving (``step_N`` with its gspo_meta.json, not a
+    staging ``.incomplete`` or a replaced ``.old`` one), newest first; whether each verifies is the caller's."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.name.startswith("step_") and (p / "gspo_meta.json").is_file()
+                   and not p.name.endswith((".incomplete", ".old"))), reverse=True)
+
+
 def check_before_start(current: dict, run_dir: Path) -> None:
     """``--resume`` before torchrun or any rank starts: ``check_resumable`` and ``resume_changes`` against the
     config saved in the run's newest checkpoint (``current``: to_dict of this run's config), so a refused change
@@ -100,17 +109,15 @@ def check_before_start(current: dict, run_dir: Path) -> None:
     resumes from (the newest that verifies; a damaged one is skipped there, with a warning, not here)."""
     from gspo_megatron.trainer.config import check_resumable
 
-    root = run_dir / "checkpoints"
-    metas = sorted(root.glob("step_*/gspo_meta.json"), reverse=True) if root.is_dir() else []
-    metas = [m for m in metas if not m.parent.name.endswith((".incomplete", ".old"))]
-    if not metas:
+    done = saved_checkpoints(run_dir / "checkpoints")
+    if not done:
         return  # nothing to resume yet: the run starts from the beginning
     try:
-        saved = json.loads(metas[0].read_text()).get("config", {})
+        saved = json.loads((done[0] / "gspo_meta.json").read_text()).get("config", {})
     except json.JSONDecodeError:
         return  # a damaged newest checkpoint: the trainer names it and falls back to an older one
-    check_resumable(saved, current, metas[0].parent)
+    check_resumable(saved, current, done[0])
     resume_changes(saved, current)
 
 
-__all__ = ["REFUSED", "check_before_start", "flatten", "resume_changes"]
+__all__ = ["REFUSED", "check_before_start", "flatten", "resume_changes", "saved_checkpoints"]
