@@ -7,6 +7,7 @@ often enough to test every path: real engine, real chat template, real tools.
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -21,16 +22,25 @@ from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 from gspo_megatron.rollout.tools import ToolConfig, ToolRegistry, calculator
 
 CALL = '<tool_call>{"name":"calculator","arguments":{"expression":"2+3"}}</tool_call>'
-# the tool-call tags exist only inside CALL, so every call the model makes is well-formed
-SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>", CALL, *TOOL_TOKENS[2:]]
+PYTHON_CALL = '<tool_call>{"name":"python","arguments":{"code":"print(2+3)"}}</tool_call>'
+
+
+def specials(call: str = CALL) -> list[str]:
+    """The tool-call tags exist only inside ``call`` (token CALL_ID), so every call the model makes is
+    well-formed; swapping the call keeps every id, so the same engine emits the same token sequences."""
+    return ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>", call, *TOOL_TOKENS[2:]]
+
+
+SPECIALS = specials()
 CHARS = sorted(set("userasitn\n5"))  # what the template and the calculator's answer "5" need: a small vocabulary,
 PROMPTS = [[1, 9, 10], [1, 11, 12, 13, 14], [1, 15], [1, 16, 10]]  # so the random model often calls and stops
 
 
 @functools.lru_cache(maxsize=None)
-def tokenizer():
+def tokenizer(call: str = CALL):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+    SPECIALS = specials(call)
     vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -55,12 +65,12 @@ EOS = 2
 CALL_ID = 4
 
 
-def agent(tools=None, **overrides) -> AgentLoop:
+def agent(tools=None, call: str = CALL, run_python=None, **overrides) -> AgentLoop:
     cfg = MultiTurnConfig(tools=tools or [ToolConfig("calculator")], max_turns=3, max_tool_output_tokens=8,
                           max_trajectory_tokens=80, tool_timeout_s=2.0, max_tool_calls_per_turn=16)
     for key, value in overrides.items():
         setattr(cfg, key, value)
-    return AgentLoop(engine(), cfg, tokenizer(), None, stop_token_ids=[EOS])
+    return AgentLoop(engine(), cfg, tokenizer(call), None, stop_token_ids=[EOS], run_python=run_python)
 
 
 def params(**kw) -> SamplingParams:
@@ -224,6 +234,59 @@ def _check_error_turns(loop, samples):
             if not is_model:
                 calls = s.response_ids[turn_start:start].count(CALL_ID)
                 assert s.response_ids[start:stop] == renderer.render([message] * calls, "<|im_end|>")
+
+
+def test_the_python_tool_runs_in_the_sandbox_through_the_agent_loop():
+    """The model's python call runs in the real subprocess sandbox: its stdout "5" comes back as the tool
+    message, which is masked out of the model tokens."""
+    from gspo_megatron.rewards.sandbox import python_tool
+    from tests.rewards.helpers import fast_sandbox
+
+    loop = agent(tools=[ToolConfig("python")], call=PYTHON_CALL,
+                 run_python=functools.partial(python_tool, fast_sandbox()))
+    try:
+        samples = loop.generate(PROMPTS[:2], 8, params())  # trajectory 13 calls
+    finally:
+        loop.tools.close()
+    renderer = ToolTurnRenderer(tokenizer(PYTHON_CALL), None, 8)
+    calls = 0
+    for s in samples:
+        runs = segments(s.response_mask)
+        for (_, turn_start, _), (is_model, start, stop) in zip(runs, runs[1:]):
+            if not is_model:
+                n = s.response_ids[turn_start:start].count(CALL_ID)
+                calls += n
+                assert s.response_ids[start:stop] == renderer.render([renderer.bound("5\n")[0]] * n, "<|im_end|>")
+                assert "5" in tokenizer(PYTHON_CALL).decode(s.response_ids[start:stop])
+    assert calls >= 1 and calls == sum(s.tool_stats["tool_calls"] for s in samples)
+    assert sum(s.tool_stats["tool_errors"] for s in samples) == 0
+
+
+@pytest.mark.parametrize("code, timed_out", [("raise ValueError('no')", False), ("while True:\n    pass", True)])
+def test_python_code_that_raises_or_loops_becomes_a_bounded_counted_error(code, timed_out):
+    from gspo_megatron.rewards.sandbox import python_tool
+    from tests.rewards.helpers import fast_sandbox
+
+    call = '<tool_call>' + json.dumps({"name": "python", "arguments": {"code": code}}) + '</tool_call>'
+    loop = agent(tools=[ToolConfig("python")], call=call, run_python=functools.partial(python_tool, fast_sandbox()),
+                 max_tool_output_tokens=4, tool_timeout_s=0.5)
+    try:
+        samples = loop.generate(PROMPTS[:2], 8, params())
+        message, cut = ToolTurnRenderer(tokenizer(call), None, 4).bound(loop.tools.call("python", {"code": code}).text)
+    finally:
+        loop.tools.close()
+    assert cut and message.startswith("err")
+    calls = sum(s.tool_stats["tool_calls"] for s in samples)
+    assert calls >= 1 and sum(s.tool_stats["tool_errors"] for s in samples) == calls
+    assert sum(s.tool_stats["tool_timeouts"] for s in samples) == (calls if timed_out else 0)
+    assert sum(s.tool_stats["tool_truncated"] for s in samples) == calls  # "error: ..." is cut to 4 tokens
+    renderer = ToolTurnRenderer(tokenizer(call), None, 4)
+    for s in samples:
+        runs = segments(s.response_mask)
+        for (_, turn_start, _), (is_model, start, stop) in zip(runs, runs[1:]):
+            if not is_model:
+                n = s.response_ids[turn_start:start].count(CALL_ID)
+                assert s.response_ids[start:stop] == renderer.render([message] * n, "<|im_end|>")
 
 
 def test_trace_tokens_lay_out_a_warm_start_trace_like_a_rollout():
