@@ -50,9 +50,9 @@ def test_the_demo_tokenizer_folder_is_the_data_layers(tmp_path):
     from gspo_megatron.conversion import offline
     from gspo_megatron.data.tokenizer import demo_tokenizer_path
 
-    assert offline.tokenizer_source(tmp_path, None) == (None, "no template, no model.tokenizer_dir")
+    assert offline.tokenizer_source(tmp_path, None, "the checkpoint's model config") == (None, "no template, no model.tokenizer_dir")
     (tmp_path / "gspo_meta.json").write_text(json.dumps({"config": {"model": {"config": {"vocab_size": 100}}}}))
-    folder, why = offline.tokenizer_source(tmp_path, None)
+    folder, why = offline.tokenizer_source(tmp_path, None, "the checkpoint's model config")
     assert folder == Path(demo_tokenizer_path()).resolve() and why.startswith("the repository's demo tokenizer")
 
 
