@@ -1,6 +1,7 @@
-"""The docs hold: every ``section.field=value`` override README.md and docs/*.md show names a field of the
-typed config tree, every repository path they and setup.py cite exists, and every ``gspo-megatron CMD
---flag`` they show is a command and flag of the CLI (a newcomer copies these lines as they are)."""
+"""The docs hold: every ``section.field=value`` override and YAML example README.md and docs/*.md show
+name fields of the typed config tree, every repository path they and setup.py cite exists, and every
+``gspo-megatron CMD --flag`` they show is a command and flag of the CLI (a newcomer copies these lines as
+they are)."""
 from __future__ import annotations
 
 import argparse
@@ -78,6 +79,37 @@ def test_shown_overrides_name_config_fields(page):
     assert _unknown_overrides(_code(page)) == [], f"{page.relative_to(REPO)} shows overrides of fields that do not exist"
 
 
+def _yaml_keys(data: dict, prefix: str = ""):
+    """Every dotted key of a YAML mapping (``rewards.terms[0].name`` for a list of mappings)."""
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        yield key
+        if isinstance(value, dict):
+            yield from _yaml_keys(value, key)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, dict):
+                    yield from _yaml_keys(item, f"{key}[{i}]")
+
+
+def _unknown_yaml_keys(text: str) -> list[str]:
+    import yaml
+
+    unknown = []
+    for block in re.findall(r"```yaml\n(.*?)```", text, re.S):
+        for key in _yaml_keys(yaml.safe_load(block) or {}):
+            try:
+                field_at(TrainConfig, key)
+            except ConfigError as err:
+                unknown.append(str(err).split(" (known")[0])
+    return unknown
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_shown_yaml_configs_name_config_fields(page):
+    assert _unknown_yaml_keys(page.read_text()) == [], f"{page.relative_to(REPO)}: a YAML example has unknown fields"
+
+
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
@@ -127,6 +159,9 @@ def test_the_checks_catch_what_the_first_day_found():
     assert _command_errors("gspo-megatron train: error: x.jsonl:3: not UTF-8") == []  # an error line, not a command
     assert _unknown_overrides("sbatch examples/slurm/x.sbatch trainer.steps=20 rollout.sglang.launch.dtpe=bf16") == [
         "rollout.sglang.launch.dtpe: unknown field", "trainer: unknown field"]
+    assert _unknown_overrides("`train.steps.max=3`") == ["train.steps: is a setting, not a section: it has no field 'max'"]
+    assert _unknown_yaml_keys("```yaml\ndata:\n  eval_holdout: 5\nrewards:\n  terms: [{name: math, wieght: 2}]\n```") == [
+        "rewards.terms[0].wieght: unknown field"]
     assert _missing_paths("setup.py: see docs/installation-guide.md and `megatron/devices.py`") == [
         "docs/installation-guide.md", "megatron/devices.py"]
     assert _missing_paths("`make --out examples/data/new` writes examples/data/new/train.jsonl") == []
