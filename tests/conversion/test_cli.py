@@ -38,7 +38,11 @@ def test_bad_input_exits_2_with_the_reason(folders, capsys):
     assert cli.main(["hf-to-megatron", "--hf-dir", str(hf), "--out", str(root / "x"), "--tp", "3"]) == 2
     assert "--tp 3 does not divide the model: num_attention_heads=4" in capsys.readouterr().err
     assert cli.main(["megatron-to-hf", "--megatron-dir", str(root / "missing"), "--out", str(root / "y")]) == 2
+    assert capsys.readouterr().err.strip() == f"gspo-megatron convert: error: --megatron-dir {root / 'missing'}: no such folder"
+    assert cli.main(["megatron-to-hf", "--megatron-dir", str(hf), "--out", str(root / "y")]) == 2
     assert "no model_config.json" in capsys.readouterr().err
+    assert cli.main(["check", "--hf-dir", str(hf / "config.json"), "--megatron-dir", str(hf)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--hf-dir {hf / 'config.json'}: not a folder")
     assert not (root / "x").exists() and not (root / "y").exists()
 
 
