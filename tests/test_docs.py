@@ -64,14 +64,19 @@ def test_cited_repository_paths_exist(page):
     assert _missing_paths(page.read_text()) == [], f"{page.relative_to(REPO)} cites files that are not in the repository"
 
 
-def _unknown_overrides(code: str) -> list[str]:
+def _unknown_fields(keys) -> list[str]:
+    """The error of each dotted key that names no field of the config tree (without the list of known ones)."""
     unknown = []
-    for key in sorted(set(OVERRIDE.findall(code)) - NOT_OVERRIDES):
+    for key in keys:
         try:
             field_at(TrainConfig, key)
         except ConfigError as err:
             unknown.append(str(err).split(" (known")[0])
     return unknown
+
+
+def _unknown_overrides(code: str) -> list[str]:
+    return _unknown_fields(sorted(set(OVERRIDE.findall(code)) - NOT_OVERRIDES))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
@@ -95,14 +100,8 @@ def _yaml_keys(data: dict, prefix: str = ""):
 def _unknown_yaml_keys(text: str) -> list[str]:
     import yaml
 
-    unknown = []
-    for block in re.findall(r"```yaml\n(.*?)```", text, re.S):
-        for key in _yaml_keys(yaml.safe_load(block) or {}):
-            try:
-                field_at(TrainConfig, key)
-            except ConfigError as err:
-                unknown.append(str(err).split(" (known")[0])
-    return unknown
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    return _unknown_fields(key for block in blocks for key in _yaml_keys(yaml.safe_load(block) or {}))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
