@@ -109,6 +109,36 @@ def test_shown_yaml_configs_name_config_fields(page):
     assert _unknown_yaml_keys(page.read_text()) == [], f"{page.relative_to(REPO)}: a YAML example has unknown fields"
 
 
+def _our_settings_in_mapping_table(text: str) -> list[str]:
+    """The dotted names in the gspo-megatron column (the last) of the TRL / verl settings table."""
+    section = text.split("### Settings you may know from TRL or verl", 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|") and "---" not in line][1:]
+    return [code.split(":")[0].strip() for row in rows for code in re.findall(r"`([^`]+)`", row.split("|")[-2])
+            if re.fullmatch(r"[a-z_]+(\.[a-z_]+)+(:.*)?", code)]
+
+
+def _names_ours(dotted: str) -> bool:
+    """A field of the config tree, or a function of the package (``rewards.trl.from_trl``)."""
+    import importlib
+
+    try:
+        field_at(TrainConfig, dotted)
+        return True
+    except ConfigError:
+        module, _, name = dotted.rpartition(".")
+        try:
+            return hasattr(importlib.import_module(f"gspo_megatron.{module}"), name)
+        except ModuleNotFoundError:
+            return False
+
+
+def test_the_trl_verl_table_names_our_settings():
+    ours = _our_settings_in_mapping_table((REPO / "docs" / "installation.md").read_text())
+    assert {"rollout.samples_per_prompt", "train.prompts_per_step", "loss.algorithm", "rewards.trl.from_trl"} <= set(ours)
+    assert [name for name in ours if not _names_ours(name)] == []
+    assert not _names_ours("rollout.num_generations") and not _names_ours("rewards.trl.from_verl")
+
+
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
