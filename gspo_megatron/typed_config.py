@@ -121,6 +121,39 @@ def build(cls: type[T], mapping: Mapping[str, Any] | None, path: str = "") -> T:
     return obj
 
 
+def _section_of(annotation: Any) -> Any:
+    """The dataclass a field's annotation holds (``X``, ``X | None``, ``list[X]``), else None (a leaf)."""
+    if dataclasses.is_dataclass(annotation):
+        return annotation
+    if get_origin(annotation) in (Union, types.UnionType, list, tuple):
+        sections = [s for s in map(_section_of, get_args(annotation)) if s is not None]
+        return sections[0] if len(sections) == 1 else None
+    return None
+
+
+def field_at(cls: type, dotted: str) -> Any:
+    """The annotation of the field a dotted key (``rollout.sglang.launch.dtype``, ``rewards.terms[0].name``)
+    names in the config tree ``cls``; an unknown key is a ConfigError naming its first unknown part. Keys
+    below a ``dict`` field are free (its own keys), as ``build`` takes them."""
+    annotation: Any = cls
+    walked = ""
+    for part in re.findall(r"\[\d+\]|[^.\[\]]+", dotted):
+        if get_origin(annotation) is dict:
+            return annotation
+        if part.startswith("["):  # a list item: the list's own section
+            walked += part
+            continue
+        section = _section_of(annotation)
+        if section is None:
+            fail(walked, f"is a setting, not a section: it has no field {part!r}")
+        hints = get_type_hints(section)
+        walked += f".{part}" if walked else part
+        if part not in hints:
+            fail(walked, f"unknown field (known fields: {sorted(hints)})")
+        annotation = hints[part]
+    return annotation
+
+
 def to_dict(obj: Any) -> Any:
     """The plain-data form of a config (for saving the resolved config next to a run)."""
     if dataclasses.is_dataclass(obj):
@@ -132,4 +165,4 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-__all__ = ["ConfigError", "build", "check", "fail", "to_dict"]
+__all__ = ["ConfigError", "build", "check", "fail", "field_at", "to_dict"]

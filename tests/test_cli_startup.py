@@ -52,7 +52,10 @@ def test_every_flag_has_help_text():
             for name, sub in getattr(action, "choices", {}).items() if hasattr(action, "_name_parser_map") else []:
                 yield from walk(sub, f"{where} {name}")
 
-    missing = list(walk(build_parser(), "gspo-megatron")) + list(walk(convert_parser(), "gspo-megatron convert"))
+    from gspo_megatron.trainer.plot import build_parser as plot_parser
+
+    missing = (list(walk(build_parser(), "gspo-megatron")) + list(walk(convert_parser(), "gspo-megatron convert"))
+               + list(walk(plot_parser(), "gspo-megatron plot")))
     assert missing == []
 
 

@@ -93,7 +93,25 @@ def main(argv: list[str] | None = None) -> int:
     return run_reporting_errors("convert", lambda: _run(args))
 
 
+INPUT_FOLDERS = ("hf_dir", "megatron_dir", "hf_template")  # the flags naming folders a command reads
+
+
+def check_input_folders(args: argparse.Namespace) -> None:
+    """Each input folder flag names an existing folder: checked before torch and Megatron-Core are imported
+    (seconds), so a mistyped path is refused at once, by its flag."""
+    from pathlib import Path
+
+    from gspo_megatron.conversion.errors import ConversionError
+
+    for name in INPUT_FOLDERS:
+        value = getattr(args, name, None)
+        if value is not None and not Path(value).is_dir():
+            flag = "--" + name.replace("_", "-")
+            raise ConversionError(f"{flag} {value}: {'not a folder' if Path(value).exists() else 'no such folder'}")
+
+
 def _run(args: argparse.Namespace) -> int:
+    check_input_folders(args)
     from gspo_megatron.conversion import offline
 
     if args.command == "hf-to-megatron":

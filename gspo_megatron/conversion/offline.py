@@ -316,13 +316,9 @@ def _config_from_checkpoint(directory: Path) -> ModelConfig | None:
         model = data.get("config", {}).get("model", {})
         if model.get("config") is not None:
             return build(ModelConfig, model["config"], f"{meta}: config.model.config")
-        if model.get("hf_dir") is not None:
-            hf_dir = Path(model["hf_dir"])
-            if not (hf_dir / "config.json").is_file():
-                raise ConversionError(f"{meta}: the run's model.hf_dir {hf_dir} has no config.json any more; pass "
-                                      f"--hf-template with the model's Hugging Face folder")
-            return ModelConfig.from_hf_dir(hf_dir)
-    return None
+        if model.get("hf_dir") is not None and (Path(model["hf_dir"]) / "config.json").is_file():
+            return ModelConfig.from_hf_dir(model["hf_dir"])
+    return None  # a run's model.hf_dir that is gone: the template must say (template_source)
 
 
 def _training_model_section(directory: Path) -> dict:
@@ -342,14 +338,34 @@ def _has_tokenizer(folder: Path | None) -> bool:
                                                                              "vocab.json"))
 
 
-def tokenizer_source(megatron_dir: Path, template: Path | None) -> tuple[Path | None, str]:
-    """Where the exported folder's tokenizer comes from, and why: the template (``--hf-template``, the
-    checkpoint's hf/ folder or the run's ``model.hf_dir``), else the run's ``model.tokenizer_dir``, else
-    the repository's demo tokenizer for a run with an inline ``model.config`` (what the trainer used)."""
+def template_source(megatron_dir: Path, hf_template: Path | None) -> tuple[Path | None, str]:
+    """The folder whose config / generation config / tokenizer files an export copies, and where it came from:
+    ``--hf-template``, else the checkpoint's own ``hf/`` folder (a converted checkpoint), else the run's
+    ``model.hf_dir`` (a training checkpoint of a run started from a Hugging Face folder), else none (the
+    checkpoint's model config). A run's model.hf_dir that is gone is refused: the checkpoint holds only weights."""
+    if hf_template is not None:
+        return hf_template, f"--hf-template {hf_template}"
+    own = megatron_dir / HF_FILES_DIR
+    if (own / "config.json").is_file():
+        return own, f"the checkpoint's {HF_FILES_DIR}/ folder {own}"
+    run_hf_dir = _training_model_section(megatron_dir).get("hf_dir")
+    if run_hf_dir is None:
+        return None, "the checkpoint's model config"
+    if not (Path(run_hf_dir) / "config.json").is_file():
+        raise ConversionError(f"{megatron_dir}: the run's model.hf_dir {run_hf_dir} is gone (no config.json): the "
+                              f"checkpoint holds the weights only; pass --hf-template with the model's Hugging Face "
+                              f"folder (config and tokenizer files)")
+    return Path(run_hf_dir), f"the run's model.hf_dir {run_hf_dir}"
+
+
+def tokenizer_source(megatron_dir: Path, template: Path | None, origin: str) -> tuple[Path | None, str]:
+    """Where the exported folder's tokenizer comes from, and why: the template (``origin``: where it came
+    from, ``template_source``), else the run's ``model.tokenizer_dir``, else the repository's demo tokenizer
+    for a run with an inline ``model.config`` (what the trainer used)."""
     # the folder data.tokenizer.demo_tokenizer_path() names (data is a layer above conversion)
     demo_tokenizer = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
     if _has_tokenizer(template):
-        return template, f"the template {template}"
+        return template, origin
     model = _training_model_section(megatron_dir)
     if model.get("tokenizer_dir") is not None:
         folder = Path(model["tokenizer_dir"])
@@ -457,7 +473,8 @@ def megatron_to_hf(megatron_dir: str | Path, out_dir: str | Path, hf_template: s
 def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_shard_bytes: int | None,
                     dtype: torch.dtype | None, overwrite: bool, progress: bool, read_batch_bytes: int,
                     weights_only: bool, fp8_block: tuple[int, int] | None) -> Path:
-    config, template = export_config(megatron_dir, template)
+    template, origin = template_source(megatron_dir, template)
+    config, _ = export_config(megatron_dir, template)
     inputs = (megatron_dir,) + ((template,) if template else ())
     check_output(out, overwrite, inputs)
     entries = expand(config)
@@ -475,13 +492,12 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
             mtp_view = ReleaseView(mtp_stored, config, read_json(mtp_config) if mtp_config.is_file() else None)
             mtp = sorted((n for n in mtp_view.tensors if left_out(config, n)), key=mtp_view.location)
         requests = {r.name: r for r in dcp_io.requests_for(layout, reader, config.vocab_size)}
-        tokenizer, why = tokenizer_source(megatron_dir, template)
+        tokenizer, why = tokenizer_source(megatron_dir, template, origin)
         if tokenizer is None and not weights_only:
             raise ConversionError(f"{megatron_dir}: no tokenizer to export ({why}): pass --hf-template with the "
                                   f"model's Hugging Face folder (config and tokenizer files), or --weights-only for "
                                   f"a folder without a tokenizer")
-        print(f"side files (config, generation config, tokenizer) from "
-              f"{template if template is not None else 'the checkpoint model config'}"
+        print(f"side files (config, generation config, tokenizer) from {origin}"
               + (f"; tokenizer from {why}" if tokenizer is not None and tokenizer != template else ""), flush=True)
         items = reader.plan(list(requests.values()))
         specs = [spec for e in entries

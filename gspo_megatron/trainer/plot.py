@@ -202,10 +202,15 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None) -> list[Path]:
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gspo-megatron plot", description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="training run folder(s)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: the first RUN_DIR/plots)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         paths = plot_runs(args.run_dirs, args.out)
@@ -217,4 +222,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["GROUPS", "MetricGroup", "load_run", "main", "plot_runs", "series"]
+__all__ = ["GROUPS", "MetricGroup", "build_parser", "load_run", "main", "plot_runs", "series"]

@@ -38,7 +38,11 @@ def test_bad_input_exits_2_with_the_reason(folders, capsys):
     assert cli.main(["hf-to-megatron", "--hf-dir", str(hf), "--out", str(root / "x"), "--tp", "3"]) == 2
     assert "--tp 3 does not divide the model: num_attention_heads=4" in capsys.readouterr().err
     assert cli.main(["megatron-to-hf", "--megatron-dir", str(root / "missing"), "--out", str(root / "y")]) == 2
+    assert capsys.readouterr().err.strip() == f"gspo-megatron convert: error: --megatron-dir {root / 'missing'}: no such folder"
+    assert cli.main(["megatron-to-hf", "--megatron-dir", str(hf), "--out", str(root / "y")]) == 2
     assert "no model_config.json" in capsys.readouterr().err
+    assert cli.main(["check", "--hf-dir", str(hf / "config.json"), "--megatron-dir", str(hf)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--hf-dir {hf / 'config.json'}: not a folder")
     assert not (root / "x").exists() and not (root / "y").exists()
 
 
@@ -50,9 +54,9 @@ def test_the_demo_tokenizer_folder_is_the_data_layers(tmp_path):
     from gspo_megatron.conversion import offline
     from gspo_megatron.data.tokenizer import demo_tokenizer_path
 
-    assert offline.tokenizer_source(tmp_path, None) == (None, "no template, no model.tokenizer_dir")
+    assert offline.tokenizer_source(tmp_path, None, "the checkpoint's model config") == (None, "no template, no model.tokenizer_dir")
     (tmp_path / "gspo_meta.json").write_text(json.dumps({"config": {"model": {"config": {"vocab_size": 100}}}}))
-    folder, why = offline.tokenizer_source(tmp_path, None)
+    folder, why = offline.tokenizer_source(tmp_path, None, "the checkpoint's model config")
     assert folder == Path(demo_tokenizer_path()).resolve() and why.startswith("the repository's demo tokenizer")
 
 
