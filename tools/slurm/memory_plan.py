@@ -202,13 +202,16 @@ def example_plan(config: dict, model: str, gpus: int, gpu_mem_gib: float, sglang
                  sglang_mem_fraction: float | None = None) -> Plan:
     """The plan of a training config (examples/*.yaml, as a dict) on ``gpus`` GPUs of ``gpu_mem_gib``: its
     layout, micro-batch tokens, recomputation, gradient dtype and colocated SGLang settings (``sglang_*``
-    where the servers are started outside the config, e.g. by an sbatch script). The plan assumes bf16."""
+    where the servers are started outside the config, e.g. by an sbatch script). The plan assumes bf16.
+    ``parallel.expert_tensor_parallel`` null is Megatron's default, the tensor-parallel size."""
     m, par, mod = MODELS[model], config.get("parallel", {}), config.get("model", {})
     if mod.get("precision", "fp32") != "bf16":
         raise ValueError(f"model.precision: {mod.get('precision', 'fp32')}; the plan (and a GPU run) assumes bf16")
     launch = (config.get("rollout", {}).get("sglang") or {}).get("launch") or {}
-    layout = Layout(gpus, par.get("tensor_parallel", 1), par.get("pipeline_parallel", 1), par.get("expert_parallel", 1),
-                    cp=par.get("context_parallel", 1))
+    tp = par.get("tensor_parallel", 1)
+    etp = par.get("expert_tensor_parallel")
+    layout = Layout(gpus, tp, par.get("pipeline_parallel", 1), par.get("expert_parallel", 1),
+                    etp=tp if etp is None else etp, cp=par.get("context_parallel", 1))
     return plan(m, layout, tokens_per_microbatch=config.get("train", {}).get("max_tokens_per_microbatch", 2048),
                 recompute=mod.get("recompute", "none"), gpu_mem_gib=gpu_mem_gib,
                 sglang_tp=sglang_tp or launch["tp_size"],
