@@ -17,19 +17,19 @@ suggests. What is counted:
   DP x CP = gpus / (TP x PP), expert parameters over expert-DP = gpus / (EP x ETP x PP). Dense weights
   split over TP, experts over EP x ETP; norms and the router are replicated over TP. The worst pipeline
   stage holds ceil(layers / PP) layers, as many of them MoE as there are, plus the embedding or the
-  output layer (both when PP = 1). With
-  TP above the number of KV groups, Megatron replicates each KV head, so k and v split only that far.
+  output layer (both when PP = 1). With TP above the number of KV groups, Megatron replicates each KV
+  head, so k and v split only that far.
 - Activations, roughly, per micro-batch of T tokens with sequence parallelism (each TP x CP rank holds
   T / (TP x CP) tokens): per layer and token 17h bytes outside the experts (Korthikanti et al. 2022's
   15h for attention and norms with flash attention, + 2h router input) and top_k x (2h + 6F) for the
   routed copies (expert input, gate/up output, SwiGLU output, bf16), + 6 F_shared for a shared expert's
-  outputs. Full recompute keeps only each
-  layer's 2h-byte input plus one layer's working set. 1F1B keeps up to PP micro-batches alive on the
-  first stage. The last stage also holds the logits: T / CP x vocab / TP x 6 B (bf16 + fp32 for the
-  log-softmax of the GSPO log-probs).
+  outputs. Full recompute keeps only each layer's 2h-byte input plus one layer's working set. 1F1B keeps
+  up to PP micro-batches alive on the first stage. The last stage also holds the logits: T / CP x vocab /
+  TP x 6 B (bf16 + fp32 for the log-softmax of the GSPO log-probs).
 - SGLang, colocated: while it holds memory it takes mem_fraction_static x GPU memory for its weights
   (all parameters / SGLang TP, bf16) and KV cache (layers x 2 x max(1, kv_heads / TP) x head_dim x 2 B
-  per token; MLA: layers x (kv latent + rope key) x 2 B); while the trainer trains it has released both (--enable-memory-saver).
+  per token; MLA: layers x (kv latent + rope key) x 2 B); while the trainer trains it has released both
+  (--enable-memory-saver).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class MoEShape:
     vocab: int
     qk_norm: bool = True  # q/k RMSNorm of head_dim (Qwen3)
     qkv_bias: bool = False  # q/k/v biases (Qwen1.5-MoE, GLM-4.5)
-    shared_ffn: int = 0  # width of the shared expert(s) every token passes through, split over TP like a dense MLP
+    shared_ffn: int = 0  # width of the shared expert(s) every token passes through (split over TP)
     shared_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert (hidden -> 1)
     dense_layers: int = 0  # leading layers with a dense MLP instead of experts (first_dense_layers)
     dense_ffn: int = 0
@@ -101,7 +101,7 @@ class ParamCounts:
     final_norm: int
 
     def dense_total(self, layers: int, moe_layers: int | None = None) -> int:
-        """Everything but the routed experts, for ``layers`` layers of which ``moe_layers`` (default all) are MoE."""
+        """Everything but the routed experts: ``layers`` layers, ``moe_layers`` (default all) of them MoE."""
         moe_layers = layers if moe_layers is None else moe_layers
         per_layer = self.attention_per_layer + self.replicated_per_layer
         return (self.embedding + self.output + self.final_norm + layers * per_layer
