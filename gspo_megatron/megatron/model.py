@@ -143,6 +143,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtyp
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         context_parallel_size=parallel.context_parallel,
         # Transformer Engine's CP algorithm (GPU); the CPU spec's CP attention always all-gathers
         cp_comm_type=parallel.cp_comm_type if parallel.context_parallel > 1 else None,

@@ -23,10 +23,13 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 class ParallelConfig:
     """How the model is split over ``world_size`` processes.
 
-    Data parallelism is what is left: ``dp = world_size / (tp * pp * cp)``. Expert parallelism splits
-    the experts over ranks of the data x context parallel group (Megatron's "expert data" folding), so
-    ``ep`` must divide ``dp * cp``. Sequence parallelism is switched on with TP > 1 (Megatron requires it
-    for MoE under TP, and it saves activation memory for dense models too).
+    Data parallelism is what is left: ``dp = world_size / (tp * pp * cp)``. The MoE layers have a grid of
+    their own over the same ranks (Megatron's expert folding): ``etp * ep * pp`` must divide
+    ``world_size`` and expert data parallelism is what is left, ``world_size / (etp * ep * pp)``.
+    ``expert_tensor_parallel`` (etp) splits each expert's weights; null keeps Megatron's default, the
+    tensor-parallel size. With TP > 1, ``expert_tensor_parallel: 1`` keeps experts whole and lets EP
+    reach across the TP ranks (TP4 x EP8 on 8 GPUs). Sequence parallelism is switched on with TP > 1
+    (Megatron requires it for MoE under TP, and it saves activation memory for dense models too).
 
     Context parallelism splits every sequence over ``cp`` ranks (``megatron/context_parallel.py``).
     ``cp_comm_type`` is Transformer Engine's CP attention algorithm on GPUs: ``p2p`` (ring), ``all_gather``
@@ -36,6 +39,7 @@ class ParallelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None  # None: Megatron's default, tensor_parallel
     context_parallel: int = 1
     sequence_parallel: bool | None = None  # None: on exactly when tensor_parallel > 1
     distributed_optimizer: bool = False
@@ -44,6 +48,9 @@ class ParallelConfig:
     def validate(self, path: str) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "context_parallel"):
             check(getattr(self, name) >= 1, f"{path}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.expert_tensor_parallel is not None:
+            check(self.expert_tensor_parallel >= 1, f"{path}.expert_tensor_parallel",
+                  f"must be >= 1 (or null: tensor_parallel), got {self.expert_tensor_parallel}")
         check(self.cp_comm_type in CP_COMM_TYPES, f"{path}.cp_comm_type",
               f"must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}")
         if self.sequence_parallel is False and self.tensor_parallel > 1:
@@ -53,16 +60,34 @@ class ParallelConfig:
     def use_sequence_parallel(self) -> bool:
         return self.tensor_parallel > 1 if self.sequence_parallel is None else self.sequence_parallel
 
+    @property
+    def expert_tensor_parallel_size(self) -> int:
+        """The expert-TP size Megatron runs with (``expert_tensor_parallel``, null meaning TP)."""
+        return self.tensor_parallel if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
     def data_parallel(self, world_size: int) -> int:
+        """The dense data-parallel size at ``world_size``; raises naming the fields when either of Megatron's
+        grids (dense TP x CP x PP, expert ETP x EP x PP; parallel_state.initialize_model_parallel in
+        megatron-core 0.16.1) does not divide the world."""
         model_parallel = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
         if world_size % model_parallel:
             raise ConfigError(f"parallel: world size {world_size} is not divisible by tensor_parallel x "
                              f"pipeline_parallel x context_parallel = {model_parallel}")
-        dp = world_size // model_parallel
-        if (dp * self.context_parallel) % self.expert_parallel:
-            raise ConfigError(f"parallel.expert_parallel={self.expert_parallel} must divide data_parallel x "
-                             f"context_parallel = {dp * self.context_parallel} at world size {world_size}")
-        return dp
+        self.expert_data_parallel(world_size)
+        return world_size // model_parallel
+
+    def expert_data_parallel(self, world_size: int) -> int:
+        """The expert data-parallel size: what ``world_size`` leaves after ETP x EP x PP."""
+        etp = self.expert_tensor_parallel_size
+        expert_grid = etp * self.expert_parallel * self.pipeline_parallel
+        if world_size % expert_grid:
+            # the default (ETP = TP) is the surprise worth naming: TP4 x EP8 then needs 32 ranks
+            null = "" if self.expert_tensor_parallel is not None or etp == 1 else \
+                f"; expert_tensor_parallel is null, which means tensor_parallel={etp}: 1 keeps each expert whole"
+            raise ConfigError(f"parallel.expert_tensor_parallel x expert_parallel x pipeline_parallel = {etp} x "
+                             f"{self.expert_parallel} x {self.pipeline_parallel} = {expert_grid} must divide the world "
+                             f"size {world_size} (Megatron's expert grid{null})")
+        return world_size // expert_grid
 
 
 def default_backend() -> str:
@@ -100,6 +125,7 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         context_parallel_size=parallel.context_parallel,
         expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         create_gloo_process_groups=not torch.cuda.is_available(),
     )
     # Megatron seeds the default stream through torch.cuda.manual_seed, a silent no-op on a CPU build;

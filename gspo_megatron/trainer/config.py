@@ -290,7 +290,7 @@ class TrainConfig:
 
 def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
     """The layout fits ``world_size`` processes (checked before any rank starts: Megatron's own check is a
-    traceback in every rank): TP x PP x CP divides it and EP divides what is left for data x context."""
+    traceback in every rank): TP x PP x CP divides it, and so does ETP x EP x PP (the expert grid)."""
     parallel.data_parallel(world_size)
 
 
@@ -313,7 +313,9 @@ def check_layout(parallel: ParallelConfig, model: ModelConfig, where: str) -> No
     own check is a bare assertion deep in model construction)."""
     splits = [("tensor_parallel", "num_attention_heads"), ("tensor_parallel", "num_key_value_heads"),
               ("pipeline_parallel", "num_layers")]
-    splits.append(("tensor_parallel", "moe_ffn_hidden_size" if model.is_moe else "ffn_hidden_size"))
+    # each expert's FFN is split over the expert-TP group, the dense and shared-expert FFNs over TP
+    splits.append(("expert_tensor_parallel", "moe_ffn_hidden_size") if model.is_moe
+                  else ("tensor_parallel", "ffn_hidden_size"))
     if model.is_moe:
         splits.append(("expert_parallel", "num_experts"))
         if model.first_dense_layers:
@@ -331,8 +333,12 @@ def check_layout(parallel: ParallelConfig, model: ModelConfig, where: str) -> No
     sep = "" if where.endswith(":") else "."
     for size_field, model_field in splits:
         size, value = getattr(parallel, size_field), getattr(model, model_field)
+        shown = size
+        if size_field == "expert_tensor_parallel" and size is None:
+            size = parallel.expert_tensor_parallel_size
+            shown = f"{size} (null: tensor_parallel)"
         check(value % size == 0, f"parallel.{size_field}",
-              f"{size} does not divide {where}{sep}{model_field}={value}")
+              f"{shown} does not divide {where}{sep}{model_field}={value}")
 
 
 def _model_identity(section: dict) -> dict:

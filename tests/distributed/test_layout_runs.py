@@ -1,6 +1,6 @@
 """Layout-independent training, end to end: the same config and seed train the same model at every
 parallel layout. The trainer runs (supervised warm start, rollouts, rewards, GSPO updates, weight syncs)
-at 1 process, TP=2, PP=2, EP=2, DP=2 and CP=2, and on 4 and 8 processes in combinations (TP2+EP2, PP2+DP2,
+at 1 process, TP=2, PP=2, EP=2, DP=2, CP=2 and TP=2 with EP=2 over whole experts (ETP=1), and on 4 and 8 processes in combinations (TP2+EP2, PP2+DP2,
 TP2+PP2, CP2+TP2, CP2+EP2, CP2+DP2, CP2+PP2; TP2+PP2+EP2 over DP2), and every step's rewards must be identical and its losses and gradient
 norms equal up to float32 reduction-order noise (see TOL).
 
@@ -29,6 +29,9 @@ LAYOUTS = {
     1: {"single": [], "single_overlap": OVERLAP},
     2: {"tp2": ["parallel.tensor_parallel=2"], "pp2": ["parallel.pipeline_parallel=2"],
         "ep2": ["parallel.expert_parallel=2"], "dp2": [], "dp2_overlap": OVERLAP,
+        # dense TP2 while whole experts are split EP2 over the same two ranks (the TP4 x EP8 on 8 GPUs shape)
+        "tp2_ep2_etp1": ["parallel.tensor_parallel=2", "parallel.expert_parallel=2",
+                         "parallel.expert_tensor_parallel=1"],
         "cp2": ["parallel.context_parallel=2"]},
     4: {"tp2_ep2": ["parallel.tensor_parallel=2", "parallel.expert_parallel=2"],
         "pp2_dp2": ["parallel.pipeline_parallel=2"],

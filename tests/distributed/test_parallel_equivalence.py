@@ -1,5 +1,5 @@
-"""The parallelism is real: TP+SP, EP, PP and DP runs of Megatron-Core on two gloo ranks give the
-single-process logits and gradients; checkpoints move between layouts."""
+"""The parallelism is real: TP+SP, EP, TP+EP with whole experts (ETP=1), PP and DP runs of Megatron-Core on
+two gloo ranks give the single-process logits and gradients; checkpoints move between layouts."""
 import pytest
 import torch
 
@@ -7,7 +7,7 @@ from gspo_megatron.megatron.spawn import run_distributed
 from gspo_megatron.testing.models import tiny_moe_config
 from tests.distributed.workers import checkpoint_across_layouts, parallel_equivalence
 
-LAYOUTS = ["tp2_sp", "ep2", "pp2", "dp2"]
+LAYOUTS = ["tp2_sp", "ep2", "tp2_ep2_etp1", "pp2", "dp2"]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,8 @@ def test_reference_is_a_real_single_process_result(runs):
 
 @pytest.fixture(scope="module")
 def checkpoint_runs(tmp_path_factory):
-    pairs = [("ep2", "tp2_sp"), ("pp2", "reference"), ("tp2_sp", "ep2")]
+    # tp2_ep2_etp1 -> tp2_sp: whole experts on their EP rank become halves on both TP ranks (ETP 1 -> 2)
+    pairs = [("ep2", "tp2_sp"), ("pp2", "reference"), ("tp2_sp", "ep2"), ("tp2_ep2_etp1", "tp2_sp")]
     directory = tmp_path_factory.mktemp("ckpt")
     return pairs, run_distributed(checkpoint_across_layouts, 2, (tiny_moe_config(), pairs, str(directory)))
 

@@ -95,16 +95,8 @@ LAYOUTS = {
     "reference": ParallelConfig(),
     "tp2_sp": ParallelConfig(tensor_parallel=2),
     "ep2": ParallelConfig(expert_parallel=2),
-    "pp2": ParallelConfig(pipeline_parallel=2),
-    "dp2": ParallelConfig(),  # world 2, all-1 model parallel: DP=2 with the batch split
-    "dp2_distopt": ParallelConfig(distributed_optimizer=True),
-}
-
-
-LAYOUTS = {
-    "reference": ParallelConfig(),
-    "tp2_sp": ParallelConfig(tensor_parallel=2),
-    "ep2": ParallelConfig(expert_parallel=2),
+    # dense TP2 (DP1) while the experts are whole and split over EP2 across the same two ranks (expert DP1)
+    "tp2_ep2_etp1": ParallelConfig(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1),
     "pp2": ParallelConfig(pipeline_parallel=2),
     "dp2": ParallelConfig(),  # all model-parallel sizes 1 in a 2-rank world: DP=2, batch split in two
     "dp2_distopt": ParallelConfig(distributed_optimizer=True),

@@ -144,8 +144,8 @@ def test_train_refuses_an_hf_dir_whose_tensors_are_not_its_declared_dtype(tmp_pa
 
 
 @pytest.mark.parametrize("nproc, override, message", [
-    ("1", "parallel.expert_parallel=2", "parallel.expert_parallel=2 must divide data_parallel x context_parallel = 1 "
-                                        "at world size 1"),
+    ("1", "parallel.expert_parallel=2", "parallel.expert_tensor_parallel x expert_parallel x pipeline_parallel = "
+                                        "1 x 2 x 1 = 2 must divide the world size 1 (Megatron's expert grid)"),
     ("3", "parallel.tensor_parallel=2", "parallel: world size 3 is not divisible by tensor_parallel x pipeline_parallel "
                                         "x context_parallel = 2"),
 ])

@@ -1,7 +1,7 @@
 """Weight sync from the live, sharded Megatron policy into the transformers rollout engine, on two gloo ranks.
 
-Each rank builds the policy with canonical weights at EP=2, TP=2 or PP=2 and an engine with its *own*
-random weights; after ``sync_weights`` every rank's engine gives the Megatron model's per-token log-probs
+Each rank builds the policy with canonical weights at EP=2, TP=2, PP=2 or TP=2+EP=2 (ETP=1) and an engine
+with its *own* random weights; after ``sync_weights`` every rank's engine gives the Megatron model's per-token log-probs
 (teacher forced, and for samples drawn by the engine's decode loop) at fp32 tolerance. Before the sync the
 engine's log-probs are far from Megatron's, so the comparison can fail.
 """
@@ -22,6 +22,9 @@ CASES = [
     SyncCase("qwen3_moe_ep2", tiny_moe_config(), ParallelConfig(expert_parallel=2), DEFAULT_BUCKET_BYTES),
     SyncCase("qwen3_moe_tp2", tiny_moe_config(), ParallelConfig(tensor_parallel=2), DEFAULT_BUCKET_BYTES),
     SyncCase("qwen3_moe_pp2", tiny_moe_config(), ParallelConfig(pipeline_parallel=2), DEFAULT_BUCKET_BYTES),
+    # dense weights gathered over TP2, whole experts (ETP1) broadcast from their EP rank of the same two ranks
+    SyncCase("qwen3_moe_tp2_ep2_etp1", tiny_moe_config(),
+             ParallelConfig(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1), DEFAULT_BUCKET_BYTES),
     # dense family; vocab 95 is not a multiple of TP, so the padding row must be dropped on export
     SyncCase("qwen3_dense_tp2", tiny_moe_config(architecture="qwen3", num_experts=0, ffn_hidden_size=48,
                                                 vocab_size=95), ParallelConfig(tensor_parallel=2),

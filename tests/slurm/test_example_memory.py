@@ -1,11 +1,13 @@
-"""Every GPU example config is one the memory plan says fits the GPUs it names, with the plan's own
-assumptions (bf16, full recompute, the micro-batch tokens), and the examples without a plan model state the
-settings of their own header arithmetic."""
+"""Every GPU example config is one the memory plan says fits the GPUs it names, at a layout Megatron starts
+(our ParallelConfig check: the dense and the expert grid each divide the GPUs), with the plan's own
+assumptions (bf16, full recompute, the micro-batch tokens)."""
 from __future__ import annotations
 
 import pytest
 import yaml
 
+from gspo_megatron.megatron.parallel import ParallelConfig
+from gspo_megatron.typed_config import build
 from tests.slurm.cluster import REPO_ROOT
 from tests.slurm.test_memory_plan import mp
 
@@ -15,8 +17,17 @@ PLANNED = {
     "qwen3_30b_a3b_gspo_1node.yaml": ("qwen3-30b-a3b", 8, 141 * GB, None, None),  # "one node of 8 x H200 (141 GB)"
     # "4 nodes x 8 x 80 GB"; qwen3_30b_a3b_gspo_multinode.sbatch starts TP4 servers at mem fraction 0.40
     "qwen3_30b_a3b_gspo_multinode.yaml": ("qwen3-30b-a3b", 32, 80 * GB, 4, 0.40),
+    # "8 nodes x 8 x H200", one SGLang server per node (TP8) at GSPO_SGLANG_MEM_FRACTION=0.35
+    "glm4_5_air_gspo_multinode.yaml": ("glm-4.5-air", 64, 141 * GB, 8, 0.35),
+    # "2 nodes x 8 x H200", one SGLang server per node (TP8) at GSPO_SGLANG_MEM_FRACTION=0.35
+    "moonlight_16b_a3b_gspo_multinode.yaml": ("moonlight-16b-a3b", 16, 141 * GB, 8, 0.35),
+    "qwen1_5_moe_a2_7b_gspo_1node.yaml": ("qwen1.5-moe-a2.7b", 8, 141 * GB, None, None),  # "one node of 8 x H200"
 }
 GPU_EXAMPLES = sorted(p.name for p in (REPO_ROOT / "examples").glob("*.yaml") if not p.name.startswith("cpu_"))  # cpu_*: CPU runs, fp32
+
+
+def test_every_gpu_example_has_a_plan() -> None:
+    assert sorted(PLANNED) == GPU_EXAMPLES
 
 
 @pytest.mark.parametrize("name", sorted(PLANNED))
@@ -25,7 +36,41 @@ def test_example_fits_the_gpus_it_names(name: str) -> None:
     model, gpus, mem, sglang_tp, fraction = PLANNED[name]
     plan = mp.example_plan(config, model, gpus, mem, sglang_tp, fraction)
     assert plan.train_phase_gib <= mem and plan.rollout_phase_gib <= mem, (name, plan)
-    assert config["train"]["max_tokens_per_microbatch"] == 8192  # docs/slurm.md's layouts table
+    if name.startswith("qwen3_30b"):
+        assert config["train"]["max_tokens_per_microbatch"] == 8192  # docs/slurm.md's layouts table
+
+
+@pytest.mark.parametrize("name", sorted(PLANNED))
+def test_example_layout_starts_on_the_gpus_it_names(name: str) -> None:
+    """The trainer's own check (Megatron's rule) accepts the layout at the example's GPU count, and the plan
+    splits the experts as Megatron will (its expert-TP size, null meaning TP)."""
+    config = yaml.safe_load((REPO_ROOT / "examples" / name).read_text())
+    _, gpus, *_ = PLANNED[name]
+    parallel = build(ParallelConfig, config["parallel"], "parallel")
+    parallel.data_parallel(gpus)
+    par = config["parallel"]
+    layout = mp.Layout(gpus, parallel.tensor_parallel, parallel.pipeline_parallel, parallel.expert_parallel,
+                       parallel.expert_tensor_parallel_size, parallel.context_parallel)
+    assert (layout.dp, layout.expert_dp) == (parallel.data_parallel(gpus), parallel.expert_data_parallel(gpus))
+    assert par.get("expert_tensor_parallel") is not None or par.get("tensor_parallel", 1) == 1, \
+        f"{name}: with TP > 1 the example names its expert-TP size (null would be TP)"
+
+
+def test_the_one_node_qwen3_layout_needs_whole_experts() -> None:
+    """TP4 x EP8 on 8 GPUs starts only with expert_tensor_parallel: 1 (Megatron's default ETP = TP needs 32)."""
+    config = yaml.safe_load((REPO_ROOT / "examples" / "qwen3_30b_a3b_gspo_1node.yaml").read_text())
+    assert config["parallel"]["expert_tensor_parallel"] == 1
+    default = {k: v for k, v in config["parallel"].items() if k != "expert_tensor_parallel"}
+    with pytest.raises(ValueError, match="must divide the world size 8"):
+        build(ParallelConfig, default, "parallel").data_parallel(8)
+
+
+def test_the_plan_takes_the_longest_sequence_as_a_micro_batch() -> None:
+    """A sequence beyond the micro-batch budget travels alone (batching.pack_microbatches): 2048 + 8192."""
+    config = yaml.safe_load((REPO_ROOT / "examples" / "qwen3_30b_a3b_gspo_1node.yaml").read_text())
+    assert mp.microbatch_tokens(config) == 2048 + 8192
+    config["rollout"]["max_new_tokens"] = 1024
+    assert mp.microbatch_tokens(config) == 8192
 
 
 @pytest.mark.parametrize("name", GPU_EXAMPLES)

@@ -23,13 +23,36 @@ PLAN_DEFAULTS = dict(tokens_per_microbatch=8192, recompute="full", gpu_mem_gib=8
 @pytest.mark.parametrize("key, total_b, active_b", [
     ("qwen3-30b-a3b", 30.5, 3.3),      # the model card: 30.5B total, 3.3B activated
     ("qwen3-235b-a22b", 235.0, 22.0),  # 235B total, 22B activated
+    ("qwen1.5-moe-a2.7b", 14.3, 2.7),  # 14.3B total, 2.7B activated (shared expert, q/k/v biases)
+    ("moonlight-16b-a3b", 16.0, 3.0),  # "16B total, 3B activated" (MLA, a first dense layer, two shared experts)
 ])
 def test_parameter_counts_match_the_model_cards(key: str, total_b: float, active_b: float) -> None:
     m = mp.MODELS[key]
-    p = mp.param_counts(m)
-    total = p.dense_total(m.layers) + p.expert_total(m.layers)
-    assert total / 1e9 == pytest.approx(total_b, abs=0.15)
+    assert mp.total_params(m) / 1e9 == pytest.approx(total_b, abs=0.15)
     assert mp.active_params(m) / 1e9 == pytest.approx(active_b, abs=0.25)
+
+
+def test_glm_4_5_air_counts() -> None:
+    """GLM-4.5-Air: "106B total, 12B active"; the shapes give 106.85B without the MTP layer and 13.42B
+    active, 12.18B of it outside the embedding and output (which the 12B appears to leave out)."""
+    m = mp.MODELS["glm-4.5-air"]
+    p = mp.param_counts(m)
+    assert mp.total_params(m) / 1e9 == pytest.approx(106.0, abs=1.0)
+    assert (mp.active_params(m) - p.embedding - p.output) / 1e9 == pytest.approx(12.0, abs=0.25)
+    # by hand: 45 MoE layers of 128 experts, one dense layer of FFN 10944, one shared expert of 1408
+    assert p.expert_total(m.moe_layers) == 45 * 128 * 3 * 4096 * 1408
+    assert p.dense_mlp_per_layer == 3 * 4096 * 10944 and p.shared_per_layer == 3 * 4096 * 1408
+    assert p.attention_per_layer == 4096 * 12288 + 12288 + 2 * (4096 * 1024 + 1024) + 12288 * 4096
+
+
+def test_mla_attention_and_kv_cache_by_hand() -> None:
+    m = mp.MODELS["moonlight-16b-a3b"]
+    p = mp.param_counts(m)
+    # q 2048 -> 16 x 192; kv down 2048 -> 512 + 64; kv up 512 -> 16 x (128 + 128); o 16 x 128 -> 2048
+    assert p.attention_per_layer == 2048 * 3072 + 2048 * 576 + 512 * 4096 + 2048 * 2048
+    assert p.kv_per_layer == 0 and p.replicated_per_layer == 2 * 2048 + 512
+    # the latent and the rope key per layer, on every SGLang TP rank
+    assert mp.kv_cache_bytes_per_token(m, 8) == 27 * 576 * 2
 
 
 def test_tiny_shape_by_hand() -> None:
@@ -39,15 +62,15 @@ def test_tiny_shape_by_hand() -> None:
     assert p.embedding == p.output == 80
     assert p.attention_per_layer == 8 * 8 + 2 * 8 * 4 + 8 * 8  # q, k+v, o
     assert p.kv_per_layer == 2 * 8 * 4
-    assert p.replicated_per_layer == 2 * 8 + 2 * 2 + 8 * 4  # norms, q/k norms, router
+    assert p.replicated_per_layer == 2 * 8 + 2 * 2  # norms, q/k norms
+    assert p.router_per_layer == 8 * 4
     assert p.experts_per_layer == 4 * 3 * 8 * 3
     assert mp.active_params(m) == p.dense_total(2) + 2 * 2 * 3 * 8 * 3
 
 
 def test_one_gpu_holds_everything_with_18_bytes_per_param() -> None:
     m = mp.MODELS["qwen3-30b-a3b"]
-    p = mp.param_counts(m)
-    total = p.dense_total(m.layers) + p.expert_total(m.layers)
+    total = mp.total_params(m)
     pl = mp.plan(m, mp.Layout(gpus=1), **PLAN_DEFAULTS)
     assert pl.dense_params_per_gpu + pl.expert_params_per_gpu == pytest.approx(total)
     assert pl.states_gib * GIB == pytest.approx(18 * total)
@@ -59,7 +82,7 @@ def test_sharding_divides_each_part_by_its_group() -> None:
     one = mp.plan(m, mp.Layout(gpus=1), **PLAN_DEFAULTS)
     pl = mp.plan(m, mp.Layout(gpus=32, tp=4, ep=8), **PLAN_DEFAULTS)
     assert pl.expert_params_per_gpu == pytest.approx(one.expert_params_per_gpu / 8)
-    replicated = m.layers * p.replicated_per_layer + p.final_norm
+    replicated = m.layers * (p.replicated_per_layer + p.router_per_layer) + p.final_norm
     assert pl.dense_params_per_gpu == pytest.approx((one.dense_params_per_gpu - replicated) / 4 + replicated)
     # distributed optimizer: dense shards over DP=8, experts over expert-DP=4
     expected_opt = 12 * pl.dense_params_per_gpu / 8 + 12 * pl.expert_params_per_gpu / 4
@@ -71,7 +94,18 @@ def test_pipeline_stage_holds_a_share_of_layers_and_one_of_embedding_or_output()
     p = mp.param_counts(m)
     pl = mp.plan(m, mp.Layout(gpus=4, pp=4), **PLAN_DEFAULTS)
     assert pl.expert_params_per_gpu == 24 * p.experts_per_layer  # ceil(94 / 4) = 24 layers
-    assert pl.dense_params_per_gpu == 24 * (p.attention_per_layer + p.replicated_per_layer) + p.embedding + p.final_norm
+    assert pl.dense_params_per_gpu == 24 * (p.attention_per_layer + p.replicated_per_layer + p.router_per_layer) \
+        + p.embedding + p.final_norm
+
+
+def test_the_worst_stage_holds_the_most_moe_layers() -> None:
+    """GLM-4.5-Air at PP2: 23 layers a stage, the first holding the dense layer; the second (23 MoE) is worst."""
+    m = mp.MODELS["glm-4.5-air"]
+    p = mp.param_counts(m)
+    pl = mp.plan(m, mp.Layout(gpus=2, pp=2), **PLAN_DEFAULTS)
+    assert pl.expert_params_per_gpu == 23 * p.experts_per_layer
+    assert pl.dense_params_per_gpu == 23 * (p.attention_per_layer + p.replicated_per_layer + p.router_per_layer
+                                            + p.shared_per_layer) + p.embedding + p.final_norm
 
 
 def test_tp_above_the_kv_groups_replicates_them() -> None:
@@ -100,6 +134,7 @@ def test_full_recompute_needs_less_than_none() -> None:
     (dict(gpus=18, tp=3), "tp=3: Megatron-Core needs the 4 KV groups to be a multiple or a divisor of TP"),
     (dict(gpus=16, ep=3), "ep=3 does not divide the 128 experts"),
     (dict(gpus=8, ep=16), "not a multiple of ep*etp*pp=16"),
+    (dict(gpus=8, tp=4, ep=8, etp=4), "gpus=8 is not a multiple of ep*etp*pp=32"),
 ])
 def test_impossible_layouts_are_rejected(layout: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("*", r"\*")):

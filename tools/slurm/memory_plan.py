@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Per-GPU memory of GSPO training on Megatron-Core with colocated SGLang, for Qwen3-MoE models.
+"""Per-GPU memory of GSPO training on Megatron-Core with colocated SGLang, for the MoE models of
+the examples: Qwen3-MoE, Qwen1.5-MoE, GLM-4.5-Air and Moonlight (shared experts, first dense layers, MLA).
 
     python tools/slurm/memory_plan.py --model qwen3-30b-a3b --gpus 32 --tp 4 --pp 1 --ep 8
     python tools/slurm/memory_plan.py --model qwen3-235b-a22b --gpus 256 --tp 4 --pp 4 --ep 32 --sglang-tp 16
@@ -7,24 +8,28 @@
 Arithmetic, not measurement (nothing here ran on a GPU); docs/slurm.md shows it for the layouts it
 suggests. What is counted:
 
-- Parameters from the shapes (no biases; q/k RMSNorm of head_dim; untied embeddings).
+- Parameters from the shapes (q/k/v biases and q/k RMSNorm where the model has them; untied embeddings;
+  MLA: q, kv down- and up-projections and the latent norm). Shared experts and a first dense layer's MLP
+  count as dense parameters, split over TP like attention.
 - Training states with Megatron's distributed optimizer (its docs, "distrib_optimizer"): bf16 weights
   (2 B/param) + fp32 main grads (4 B; Megatron-LM accumulates bf16 grads in fp32) + fp32 master weights
   and Adam m, v (12 B) sharded over the data-parallel ranks holding the same shard: dense parameters over
   DP x CP = gpus / (TP x PP), expert parameters over expert-DP = gpus / (EP x ETP x PP). Dense weights
   split over TP, experts over EP x ETP; norms and the router are replicated over TP. The worst pipeline
-  stage holds ceil(layers / PP) layers plus the embedding or the output layer (both when PP = 1). With
-  TP above the number of KV groups, Megatron replicates each KV head, so k and v split only that far.
+  stage holds ceil(layers / PP) layers, as many of them MoE as there are, plus the embedding or the
+  output layer (both when PP = 1). With TP above the number of KV groups, Megatron replicates each KV
+  head, so k and v split only that far.
 - Activations, roughly, per micro-batch of T tokens with sequence parallelism (each TP x CP rank holds
   T / (TP x CP) tokens): per layer and token 17h bytes outside the experts (Korthikanti et al. 2022's
   15h for attention and norms with flash attention, + 2h router input) and top_k x (2h + 6F) for the
-  routed copies (expert input, gate/up output, SwiGLU output, bf16). Full recompute keeps only each
-  layer's 2h-byte input plus one layer's working set. 1F1B keeps up to PP micro-batches alive on the
-  first stage. The last stage also holds the logits: T / CP x vocab / TP x 6 B (bf16 + fp32 for the
-  log-softmax of the GSPO log-probs).
+  routed copies (expert input, gate/up output, SwiGLU output, bf16), + 6 F_shared for a shared expert's
+  outputs. Full recompute keeps only each layer's 2h-byte input plus one layer's working set. 1F1B keeps
+  up to PP micro-batches alive on the first stage. The last stage also holds the logits: T / CP x vocab /
+  TP x 6 B (bf16 + fp32 for the log-softmax of the GSPO log-probs).
 - SGLang, colocated: while it holds memory it takes mem_fraction_static x GPU memory for its weights
   (all parameters / SGLang TP, bf16) and KV cache (layers x 2 x max(1, kv_heads / TP) x head_dim x 2 B
-  per token); while the trainer trains it has released both (--enable-memory-saver).
+  per token; MLA: layers x (kv latent + rope key) x 2 B); while the trainer trains it has released both
+  (--enable-memory-saver).
 """
 from __future__ import annotations
 
@@ -44,11 +49,24 @@ class MoEShape:
     hidden: int
     q_heads: int
     kv_heads: int
-    head_dim: int
+    head_dim: int  # the query/key head width (MLA: nope + rope dims)
     experts: int
     top_k: int
     expert_ffn: int
     vocab: int
+    qk_norm: bool = True  # q/k RMSNorm of head_dim (Qwen3)
+    qkv_bias: bool = False  # q/k/v biases (Qwen1.5-MoE, GLM-4.5)
+    shared_ffn: int = 0  # width of the shared expert(s) every token passes through (split over TP)
+    shared_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert (hidden -> 1)
+    dense_layers: int = 0  # leading layers with a dense MLP instead of experts (first_dense_layers)
+    dense_ffn: int = 0
+    kv_lora_rank: int = 0  # > 0: multi-latent attention (DeepSeek-V3 / Moonlight), q projection without a latent
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers
 
 
 MODELS = {
@@ -56,6 +74,16 @@ MODELS = {
                               experts=128, top_k=8, expert_ffn=768, vocab=151936),
     "qwen3-235b-a22b": MoEShape("Qwen3-235B-A22B", layers=94, hidden=4096, q_heads=64, kv_heads=4, head_dim=128,
                                 experts=128, top_k=8, expert_ffn=1536, vocab=151936),
+    # the config.json of each (the HF model cards' shapes); MTP layers are left out, as the conversion does
+    "qwen1.5-moe-a2.7b": MoEShape("Qwen1.5-MoE-A2.7B", layers=24, hidden=2048, q_heads=16, kv_heads=16, head_dim=128,
+                                  experts=60, top_k=4, expert_ffn=1408, vocab=151936, qk_norm=False, qkv_bias=True,
+                                  shared_ffn=5632, shared_gate=True),
+    "glm-4.5-air": MoEShape("GLM-4.5-Air", layers=46, hidden=4096, q_heads=96, kv_heads=8, head_dim=128, experts=128,
+                            top_k=8, expert_ffn=1408, vocab=151552, qk_norm=False, qkv_bias=True, shared_ffn=1408,
+                            dense_layers=1, dense_ffn=10944),
+    "moonlight-16b-a3b": MoEShape("Moonlight-16B-A3B", layers=27, hidden=2048, q_heads=16, kv_heads=16, head_dim=192,
+                                  experts=64, top_k=6, expert_ffn=1408, vocab=163840, qk_norm=False, shared_ffn=2816,
+                                  dense_layers=1, dense_ffn=11264, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128),
 }
 
 
@@ -63,37 +91,75 @@ MODELS = {
 class ParamCounts:
     embedding: int
     output: int
-    attention_per_layer: int  # q, k, v, o projections: split over TP
-    kv_per_layer: int  # the k, v part: split over at most kv_heads ranks (replicated beyond)
-    replicated_per_layer: int  # two RMSNorms, q/k norms, router: replicated over TP
+    attention_per_layer: int  # q, k, v, o projections (MLA: q, kv down, kv up, o): split over TP
+    kv_per_layer: int  # the k, v part: split over at most kv_heads ranks (replicated beyond); 0 for MLA
+    replicated_per_layer: int  # two RMSNorms, q/k norms (MLA: the kv latent norm): replicated over TP
+    router_per_layer: int  # MoE layers: router weights, replicated over TP
+    shared_per_layer: int  # MoE layers: the shared expert(s) and their gate, split over TP
+    dense_mlp_per_layer: int  # dense layers: the MLP, split over TP
     experts_per_layer: int
     final_norm: int
 
-    def dense_total(self, layers: int) -> int:
+    def dense_total(self, layers: int, moe_layers: int | None = None) -> int:
+        """Everything but the routed experts: ``layers`` layers, ``moe_layers`` (default all) of them MoE."""
+        moe_layers = layers if moe_layers is None else moe_layers
         per_layer = self.attention_per_layer + self.replicated_per_layer
-        return self.embedding + self.output + self.final_norm + layers * per_layer
+        return (self.embedding + self.output + self.final_norm + layers * per_layer
+                + moe_layers * (self.router_per_layer + self.shared_per_layer)
+                + (layers - moe_layers) * self.dense_mlp_per_layer)
 
-    def expert_total(self, layers: int) -> int:
-        return layers * self.experts_per_layer
+    def expert_total(self, moe_layers: int) -> int:
+        return moe_layers * self.experts_per_layer
+
+
+def _attention(m: MoEShape) -> tuple[int, int, int]:
+    """(all attention projection weights and biases, the k/v part of them, attention norms) of one layer."""
+    h, d = m.hidden, m.head_dim
+    if m.kv_lora_rank:
+        # q: h -> heads x d; kv down: h -> latent + rope key; kv up: latent -> heads x (nope + v); o: heads x v -> h
+        nope = d - m.qk_rope_dim
+        weights = (h * m.q_heads * d + h * (m.kv_lora_rank + m.qk_rope_dim)
+                   + m.kv_lora_rank * m.q_heads * (nope + m.v_head_dim) + m.q_heads * m.v_head_dim * h)
+        return weights, 0, m.kv_lora_rank
+    kv = 2 * h * m.kv_heads * d + (2 * m.kv_heads * d if m.qkv_bias else 0)
+    q = h * m.q_heads * d + (m.q_heads * d if m.qkv_bias else 0)
+    return q + kv + m.q_heads * d * h, kv, 2 * d if m.qk_norm else 0
 
 
 def param_counts(m: MoEShape) -> ParamCounts:
-    h, d = m.hidden, m.head_dim
+    h = m.hidden
+    attention, kv, attention_norms = _attention(m)
     return ParamCounts(
         embedding=m.vocab * h,
         output=m.vocab * h,
-        attention_per_layer=h * m.q_heads * d + 2 * h * m.kv_heads * d + m.q_heads * d * h,
-        kv_per_layer=2 * h * m.kv_heads * d,
-        replicated_per_layer=2 * h + 2 * d + h * m.experts,
+        attention_per_layer=attention,
+        kv_per_layer=kv,
+        replicated_per_layer=2 * h + attention_norms,
+        router_per_layer=h * m.experts,
+        shared_per_layer=3 * h * m.shared_ffn + (h if m.shared_gate else 0),
+        dense_mlp_per_layer=3 * h * m.dense_ffn,
         experts_per_layer=m.experts * 3 * h * m.expert_ffn,
         final_norm=h,
     )
 
 
-def active_params(m: MoEShape) -> int:
-    """Parameters one token touches: everything dense + top_k experts per layer."""
+def total_params(m: MoEShape) -> int:
     p = param_counts(m)
-    return p.dense_total(m.layers) + m.layers * m.top_k * 3 * m.hidden * m.expert_ffn
+    return p.dense_total(m.layers, m.moe_layers) + p.expert_total(m.moe_layers)
+
+
+def active_params(m: MoEShape) -> int:
+    """Parameters one token touches: everything dense + top_k experts per MoE layer."""
+    p = param_counts(m)
+    return p.dense_total(m.layers, m.moe_layers) + m.moe_layers * m.top_k * 3 * m.hidden * m.expert_ffn
+
+
+def kv_cache_bytes_per_token(m: MoEShape, sglang_tp: int) -> int:
+    """SGLang's bf16 KV cache per token on one GPU: k and v per KV head (a head is replicated when TP exceeds
+    the KV heads); MLA caches the latent and the rope key, the same on every TP rank."""
+    if m.kv_lora_rank:
+        return m.layers * (m.kv_lora_rank + m.qk_rope_dim) * 2
+    return m.layers * 2 * max(1, m.kv_heads // sglang_tp) * m.head_dim * 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +179,8 @@ class Layout:
             problems.append(f"gpus={self.gpus} is not a multiple of ep*etp*pp={self.ep * self.etp * self.pp}")
         if m.experts % self.ep:
             problems.append(f"ep={self.ep} does not divide the {m.experts} experts")
+        if m.expert_ffn % self.etp:
+            problems.append(f"etp={self.etp} does not divide the expert FFN width {m.expert_ffn}")
         if m.kv_heads % self.tp and self.tp % m.kv_heads:
             problems.append(f"tp={self.tp}: Megatron-Core needs the {m.kv_heads} KV groups to be a multiple or "
                             "a divisor of TP")
@@ -154,18 +222,23 @@ def plan(m: MoEShape, layout: Layout, *, tokens_per_microbatch: int, recompute: 
     layout.check(m)
     p = param_counts(m)
     stage_layers = math.ceil(m.layers / layout.pp)
+    # the worst stage holds the most MoE layers: the dense ones come first, on the first stage
+    stage_moe = min(stage_layers, m.moe_layers)
+    stage_dense_mlp = min(m.dense_layers, stage_layers - stage_moe)
     embed_and_output = p.embedding + p.output if layout.pp == 1 else max(p.embedding, p.output)
-    dense = (stage_layers * (p.attention_per_layer - p.kv_per_layer) + embed_and_output) / layout.tp \
-        + stage_layers * p.kv_per_layer / min(layout.tp, m.kv_heads) \
-        + stage_layers * p.replicated_per_layer + p.final_norm
-    experts = stage_layers * p.experts_per_layer / (layout.ep * layout.etp)
+    tp_split = (stage_layers * (p.attention_per_layer - p.kv_per_layer) + stage_moe * p.shared_per_layer
+                + stage_dense_mlp * p.dense_mlp_per_layer + embed_and_output)
+    dense = tp_split / layout.tp + stage_layers * p.kv_per_layer / min(layout.tp, m.kv_heads) \
+        + stage_layers * p.replicated_per_layer + stage_moe * p.router_per_layer + p.final_norm
+    experts = stage_moe * p.experts_per_layer / (layout.ep * layout.etp)
     weights = 2 * (dense + experts)
     grads = grad_bytes * (dense + experts)
     optimizer = 12 * dense / (layout.dp * layout.cp) + 12 * experts / layout.expert_dp
 
     h, f = m.hidden, m.expert_ffn
     tokens_per_rank = tokens_per_microbatch / (layout.tp * layout.cp)
-    per_layer = tokens_per_rank * (17 * h + m.top_k * (2 * h + 6 * f))
+    # a shared expert's gate/up and SwiGLU outputs for every token, split over TP with the tokens gathered
+    per_layer = tokens_per_rank * (17 * h + m.top_k * (2 * h + 6 * f) + 6 * m.shared_ffn)
     in_flight = layout.pp  # 1F1B: the first stage holds up to PP micro-batches
     if recompute == "full":
         activations = in_flight * stage_layers * tokens_per_rank * 2 * h + per_layer
@@ -175,10 +248,9 @@ def plan(m: MoEShape, layout: Layout, *, tokens_per_microbatch: int, recompute: 
         raise ValueError(f"recompute must be 'full' or 'none', got {recompute!r}")
     logits = tokens_per_microbatch / layout.cp * m.vocab / layout.tp * 6
 
-    total_params = p.dense_total(m.layers) + p.expert_total(m.layers)
-    sglang_weights = 2 * total_params / sglang_tp
+    sglang_weights = 2 * total_params(m) / sglang_tp
     sglang_budget = sglang_mem_fraction * gpu_mem_gib * GIB
-    kv_per_token = m.layers * 2 * max(1, m.kv_heads // sglang_tp) * m.head_dim * 2
+    kv_per_token = kv_cache_bytes_per_token(m, sglang_tp)
     kv_tokens = max(0, int((sglang_budget - sglang_weights) // kv_per_token))
     states = weights + grads + optimizer
     overhead = overhead_gib * GIB
@@ -198,18 +270,32 @@ def plan(m: MoEShape, layout: Layout, *, tokens_per_microbatch: int, recompute: 
     )
 
 
+def microbatch_tokens(config: dict) -> int:
+    """The largest micro-batch a training config runs: ``train.max_tokens_per_microbatch``, or the longest
+    sequence (``data.max_prompt_tokens + rollout.max_new_tokens``) when that is longer, since the trainer
+    gives such a sequence a micro-batch of its own (``batching.pack_microbatches``). The defaults are the
+    trainer's."""
+    budget = config.get("train", {}).get("max_tokens_per_microbatch", 2048)
+    longest = (config.get("data", {}).get("max_prompt_tokens", 1024)
+               + config.get("rollout", {}).get("max_new_tokens", 32))
+    return max(budget, longest)
+
+
 def example_plan(config: dict, model: str, gpus: int, gpu_mem_gib: float, sglang_tp: int | None = None,
                  sglang_mem_fraction: float | None = None) -> Plan:
     """The plan of a training config (examples/*.yaml, as a dict) on ``gpus`` GPUs of ``gpu_mem_gib``: its
     layout, micro-batch tokens, recomputation, gradient dtype and colocated SGLang settings (``sglang_*``
-    where the servers are started outside the config, e.g. by an sbatch script). The plan assumes bf16."""
+    where the servers are started outside the config, e.g. by an sbatch script). The plan assumes bf16.
+    ``parallel.expert_tensor_parallel`` null is Megatron's default, the tensor-parallel size."""
     m, par, mod = MODELS[model], config.get("parallel", {}), config.get("model", {})
     if mod.get("precision", "fp32") != "bf16":
         raise ValueError(f"model.precision: {mod.get('precision', 'fp32')}; the plan (and a GPU run) assumes bf16")
     launch = (config.get("rollout", {}).get("sglang") or {}).get("launch") or {}
-    layout = Layout(gpus, par.get("tensor_parallel", 1), par.get("pipeline_parallel", 1), par.get("expert_parallel", 1),
-                    cp=par.get("context_parallel", 1))
-    return plan(m, layout, tokens_per_microbatch=config.get("train", {}).get("max_tokens_per_microbatch", 2048),
+    tp = par.get("tensor_parallel", 1)
+    etp = par.get("expert_tensor_parallel")
+    layout = Layout(gpus, tp, par.get("pipeline_parallel", 1), par.get("expert_parallel", 1),
+                    etp=tp if etp is None else etp, cp=par.get("context_parallel", 1))
+    return plan(m, layout, tokens_per_microbatch=microbatch_tokens(config),
                 recompute=mod.get("recompute", "none"), gpu_mem_gib=gpu_mem_gib,
                 sglang_tp=sglang_tp or launch["tp_size"],
                 sglang_mem_fraction=sglang_mem_fraction or launch["mem_fraction_static"],
@@ -217,8 +303,7 @@ def example_plan(config: dict, model: str, gpus: int, gpu_mem_gib: float, sglang
 
 
 def _table(m: MoEShape, layout: Layout, pl: Plan, args: argparse.Namespace) -> str:
-    p = param_counts(m)
-    total, experts = p.dense_total(m.layers) + p.expert_total(m.layers), p.expert_total(m.layers)
+    total, experts = total_params(m), param_counts(m).expert_total(m.moe_layers)
     mem = args.gpu_mem_gib
     rows = [
         ("model", f"{m.name}: {total / 1e9:.2f}B params ({experts / 1e9:.2f}B in experts), "
@@ -247,8 +332,10 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), required=True)
     ap.add_argument("--gpus", type=int, required=True)
-    for name in ("tp", "pp", "ep", "etp", "cp"):
+    for name in ("tp", "pp", "ep", "cp"):
         ap.add_argument(f"--{name}", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=1, help="expert tensor parallel (default 1: whole experts, the "
+                    "trainer's parallel.expert_tensor_parallel: 1; Megatron's own default is the TP size)")
     ap.add_argument("--tokens-per-microbatch", type=int, default=8192)
     ap.add_argument("--recompute", choices=["full", "none"], default="full")
     ap.add_argument("--gpu-mem-gib", type=float, default=80.0)
