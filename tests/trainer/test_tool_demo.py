@@ -93,3 +93,41 @@ def test_overlapped_tool_run_resumes_exactly_with_trajectories_in_flight(tmp_pat
                     "turns_per_response", "eval_tool_use_frac", "logprob_gap_mean"):
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
+# DP=2 of the multi-turn path: a reward with spread on a barely warmed-up model (the arithmetic reward is 0 for
+# all of it: zero advantages, zero gradients, nothing to compare), and both kinds of global normaliser: GSPO's
+# sequence count with |y_i| over model tokens, and the token-mean count of model tokens (GRPO token_mean).
+DP_TOOL_RUN = ["sft.steps=20", "rewards.terms=[{name: 'tests.slurm.digit_reward:digit_fraction'}]"]
+DP_TOOL_LAYOUTS = {"gspo": DP_TOOL_RUN,
+                   "grpo_token_mean": DP_TOOL_RUN + ["loss.algorithm=grpo", "loss.aggregation=token_mean"]}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tool_run_is_the_same_at_dp2(tmp_path_factory):
+    """Multi-turn at 1 process and at DP=2: each rank runs the trajectories of its prompts (tool calls
+    included, seeded by global trajectory index), so the rollouts, tool counters and rewards are those of
+    the single process, and the losses and gradients agree: the normalisers (sequences, model tokens) are
+    global, not a rank's own."""
+    from gspo_megatron.megatron.spawn import run_distributed
+    from tests.distributed.test_layout_runs import TOL, _train_layouts
+
+    runs = {}
+    for world in (1, 2):
+        base = tmp_path_factory.mktemp(f"tools{world}")
+        runs[world] = run_distributed(_train_layouts, world, (str(base), DP_TOOL_LAYOUTS, 2, str(TOOL_DEMO)),
+                                      timeout_s=880)[0]
+    for name in DP_TOOL_LAYOUTS:
+        one, two = runs[1][name], runs[2][name]
+        assert [m["step"] for m in one] == [m["step"] for m in two] == [0, 1, 2]
+        assert all(m["tool_calls_per_response"] > 0 and m["grad_norm"] > 0 for m in one[1:]), name
+        for a, b in zip(one, two):
+            for key in ("reward_mean", "reward_std", "response_length_mean", "eval_accuracy",
+                        "tool_calls_per_response", "turns_per_response", "tool_errors_per_response",
+                        "eval_tool_use_frac"):
+                if key in a:
+                    assert a[key] == b[key], (name, a["step"], key)
+            for key, tol in TOL.items():
+                if key in a:
+                    assert a[key] == pytest.approx(b[key], **tol), (name, a["step"], key)
