@@ -31,6 +31,12 @@ DEMO_CHAT_TEMPLATE = (
 # them as added tokens), and a template that renders tool messages the way Qwen3's does: consecutive tool
 # messages form one user turn of <tool_response> blocks.
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# The fixed frame of a calculator call in compact JSON (data/tool_traces.py calculator_call), one token each
+# (ids 104-105), as a real BPE has merges for a frame it sees often: a call of "58-96" is then 9 tokens
+# (<tool_call>, the opening, 5 characters, the closing, </tool_call>) instead of 61 characters, short enough
+# for the demo's tiny model to learn. Ordinary (not special) tokens: they decode to the same text, so the
+# tool-call parser reads the JSON unchanged, and any other JSON is still spelled character by character.
+CALCULATOR_FRAME = ('{"name":"calculator","arguments":{"expression":"', '"}}')
 TOOL_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'tool' %}"
@@ -50,7 +56,8 @@ def demo_tokenizer_path() -> str:
 
 def build_demo_tokenizer(tool_tokens: bool = False) -> Any:
     """A ``transformers.PreTrainedTokenizerFast`` over single characters (see the module docstring);
-    ``tool_tokens``: also ``TOOL_TOKENS`` (ids 100-103) and ``TOOL_CHAT_TEMPLATE``, the tool demo's."""
+    ``tool_tokens``: also ``TOOL_TOKENS`` (ids 100-103), ``CALCULATOR_FRAME`` (ids 104-105) and
+    ``TOOL_CHAT_TEMPLATE``, the tool demo's."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -64,6 +71,7 @@ def build_demo_tokenizer(tool_tokens: bool = False) -> Any:
     tokenizer.chat_template = DEMO_CHAT_TEMPLATE
     if tool_tokens:
         tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in TOOL_TOKENS], special_tokens=True)
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in CALCULATOR_FRAME])
         tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     return tokenizer
 
@@ -97,5 +105,5 @@ def load_demo_tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(demo_tokenizer_path())
 
 
-__all__ = ["DEMO_CHAT_TEMPLATE", "TOOL_CHAT_TEMPLATE", "TOOL_TOKENS", "build_demo_tokenizer", "demo_tokenizer_path",
+__all__ = ["CALCULATOR_FRAME", "DEMO_CHAT_TEMPLATE", "TOOL_CHAT_TEMPLATE", "TOOL_TOKENS", "build_demo_tokenizer", "demo_tokenizer_path",
            "load_demo_tokenizer", "save_demo_tokenizer", "tool_demo_tokenizer_path"]

@@ -11,7 +11,9 @@ from typing import Any
 
 
 def calculator_call(expression: str) -> str:
-    """One assistant turn calling the calculator, in Qwen3's ``<tool_call>`` format (compact JSON)."""
+    """One assistant turn calling the calculator, in Qwen3's ``<tool_call>`` format. Compact JSON, key order
+    name then arguments: the demo tokenizer's frame tokens (``data/tokenizer.py CALCULATOR_FRAME``) are this
+    exact text, so a call is 9 tokens."""
     body = json.dumps({"name": "calculator", "arguments": {"expression": expression}}, separators=(",", ":"))
     return f"<tool_call>{body}</tool_call>"
 

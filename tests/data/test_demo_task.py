@@ -58,7 +58,7 @@ def test_generated_split_goes_through_the_loader_and_scores(tmp_path):
 def test_shipped_tool_tokenizer_matches_a_fresh_build(tmp_path):
     """The tool demo's tokenizer: the demo tokenizer plus Qwen3's four tool tags (ids 100-103) and a template
     that renders tool messages in Qwen3's layout."""
-    from gspo_megatron.data.tokenizer import TOOL_CHAT_TEMPLATE, TOOL_TOKENS, tool_demo_tokenizer_path
+    from gspo_megatron.data.tokenizer import CALCULATOR_FRAME, TOOL_CHAT_TEMPLATE, TOOL_TOKENS, tool_demo_tokenizer_path
 
     fresh = save_demo_tokenizer(tmp_path / "tok", tool_tokens=True)
     shipped = tool_demo_tokenizer_path()
@@ -67,9 +67,29 @@ def test_shipped_tool_tokenizer_matches_a_fresh_build(tmp_path):
     match, mismatch, errors = filecmp.cmpfiles(shipped, fresh, names, shallow=False)
     assert mismatch == [] and errors == []
     tok = AutoTokenizer.from_pretrained(shipped)
-    assert len(tok) == 104 and tok.convert_tokens_to_ids(list(TOOL_TOKENS)) == [100, 101, 102, 103]
+    assert len(tok) == 106 and tok.convert_tokens_to_ids(list(TOOL_TOKENS)) == [100, 101, 102, 103]
+    assert tok.convert_tokens_to_ids(list(CALCULATOR_FRAME)) == [104, 105]
     assert tok.chat_template == TOOL_CHAT_TEMPLATE
     text = tok.apply_chat_template([{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "c"},
                                     {"role": "tool", "content": "3"}], tokenize=False, add_generation_prompt=True)
     assert text.endswith("c<|im_end|>\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n"
                          "<|im_start|>assistant\n")
+
+
+def test_a_calculator_call_is_nine_tool_tokenizer_tokens_that_decode_to_the_same_call():
+    """The warm start's call (compact JSON) hits the frame tokens exactly: <tool_call>, the opening, the
+    expression's characters, the closing, </tool_call>. It decodes to the same text, so the agent loop's
+    parser reads the same call; JSON spelled another way (spaces) still tokenizes, character by character."""
+    from gspo_megatron.data.tokenizer import tool_demo_tokenizer_path
+    from gspo_megatron.data.tool_traces import calculator_call
+    from gspo_megatron.rollout.agent_loop import parse_tool_calls
+
+    tok = AutoTokenizer.from_pretrained(tool_demo_tokenizer_path())
+    call = calculator_call("58-96")
+    ids = tok(call, add_special_tokens=False)["input_ids"]
+    assert ids == [100, 104] + tok("58-96", add_special_tokens=False)["input_ids"] + [105, 101]
+    assert tok.decode(ids, skip_special_tokens=False) == call
+    assert parse_tool_calls(tok.decode(ids, skip_special_tokens=False)) == [("calculator", {"expression": "58-96"})]
+    spaced = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
+    spaced_ids = tok(spaced, add_special_tokens=False)["input_ids"]
+    assert 104 not in spaced_ids and tok.decode(spaced_ids, skip_special_tokens=False) == spaced

@@ -56,15 +56,16 @@ TOL = {"grad_norm": dict(rel=3e-3, abs=0.0), "pg_loss": dict(rel=0.0, abs=5e-6),
        "seq_ratio_mean": dict(rel=0.0, abs=5e-4), "clip_frac_seq": dict(rel=0.0, abs=0.02)}
 
 
-def _train_layouts(rank, world_size, base_dir, layouts, steps):
-    """Train every layout of ``layouts`` in turn; rank 0 returns each run's metrics.jsonl records."""
+def _train_layouts(rank, world_size, base_dir, layouts, steps, config=str(DEMO)):
+    """Train every layout of ``layouts`` in turn (``config`` with COMMON and the layout's overrides); rank 0
+    returns each run's metrics.jsonl records."""
     from gspo_megatron.trainer.config import load_config
     from gspo_megatron.trainer.loop import Trainer
 
     out = {}
     for name, overrides in layouts.items():
         run_dir = Path(base_dir) / name
-        trainer = Trainer(load_config(DEMO, COMMON + [f"train.steps={steps}"] + overrides), run_dir)
+        trainer = Trainer(load_config(config, COMMON + [f"train.steps={steps}"] + overrides), run_dir)
         try:
             trainer.run()
         finally:
