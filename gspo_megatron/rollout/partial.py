@@ -165,12 +165,15 @@ class PartialRollouts:
             uids = [(step * UID_STRIDE + slot) * self.G + j for j in range(self.G)]
             self.groups.append(InFlightGroup(prompt, slot, step, [InFlightResponse(u) for u in uids]))
 
-    def generate_round(self, generate: Generate, params: SamplingParams, version: int, round_index: int) -> None:
-        """One round: ``budget`` more tokens for every unfinished response. Round 0 first samples the fresh
-        groups with ``params`` (the step's sampling, as without partial rollouts); then one continuation
-        call per ``continuation_lengths`` entry, made on every rank even when it is empty."""
+    def generate_round(self, generate: Generate, params: SamplingParams, version: int, round_index: int,
+                       max_groups: int | None = None) -> None:
+        """One round: ``budget`` more tokens for every unfinished response (``max_groups``: of the oldest
+        that many unfinished groups only). Round 0 first samples the fresh groups with ``params`` (the step's
+        sampling, as without partial rollouts); then one continuation call per ``continuation_lengths``
+        entry, made on every rank even when it is empty."""
+        unfinished = [g for g in self.groups if not g.done][:max_groups]
         # the responses this round continues: taken before any call, so each gets one call per round
-        running = [(g, r) for g in self.groups for r in g.responses if r.finish_reason is None and len(r) > 0]
+        running = [(g, r) for g in unfinished for r in g.responses if r.finish_reason is None and len(r) > 0]
         if round_index == 0:
             fresh = [g for g in self.groups if all(len(r) == 0 and r.finish_reason is None for r in g.responses)]
             first = dataclasses.replace(params, max_new_tokens=min(self.budget, self.max_new_tokens))

@@ -451,21 +451,25 @@ class Trainer:
 
     def _partial_rollout(self) -> tuple[list, dict[str, float], int, dict[str, float]]:
         """Steps 1-2 with partial rollouts (rollout/partial.py): this step's prompts join the groups in flight,
-        every unfinished response gets ``rollout.partial_token_budget`` tokens (more rounds only while the
-        finished groups hold fewer than ``train.minibatches_per_step`` samples), the finished groups are
-        scored and gathered, the rest is carried. Returns (batch, reward metrics, oldest token's age, counts)."""
+        every unfinished response gets ``rollout.partial_token_budget`` tokens, the finished groups are scored
+        and gathered, the rest is carried. While the finished groups hold fewer than
+        ``train.minibatches_per_step`` samples (the first step: no group has had time to finish), further
+        rounds continue just the oldest groups that could make up the count, so the rest stays in flight.
+        Returns (batch, reward metrics, oldest token's age, counts)."""
         sampling = self._rl_sampling(self.step)
         mine, params = self._sampling(next(self.prompts), **sampling)
         self.in_flight.add(mine, params.prompt_offset, self.step)
-        rounds = 0
+        need, G = self.config.train.minibatches_per_step, self.config.rollout.samples_per_prompt
+        rounds, max_groups = 0, None
         while True:  # every rank the same number of rounds: the counts are summed over data-parallel ranks
-            self.in_flight.generate_round(self._generate, params, self.step, rounds)
+            self.in_flight.generate_round(self._generate, params, self.step, rounds, max_groups)
             rounds += 1
             counts = torch.tensor(self.in_flight.counts(), dtype=torch.long)
             dist.all_reduce(counts, group=self.policy.groups.data_parallel)
             finished, running = counts.tolist()
-            if finished >= self.config.train.minibatches_per_step or running == 0:
+            if finished >= need or running == 0:
                 break
+            max_groups = -(-(need - finished) // G)  # per rank: a few more than needed at DP > 1, never fewer
         groups, local = self.in_flight.take_finished(self.step)
         batch, reward_metrics = self._score_and_gather(
             [g.prompt for g in groups], [r.to_sample(g.slot) for g in groups for r in g.responses],
