@@ -302,7 +302,6 @@ def check_partial(config: "TrainConfig") -> None:
     """What ``rollout.partial`` needs of the rest of the config, and what it does not support yet (by name)."""
     r, t = config.rollout, config.train
     unsupported = ((t.rollout_mode == "sync", "train.rollout_mode", "overlap"),
-                   (r.engine == "hf", "rollout.engine", "sglang (continuation with input_ids)"),
                    (r.multi_turn is None, "rollout.multi_turn", "set"),
                    (r.filter_groups == "none", "rollout.filter_groups", r.filter_groups),
                    (t.routing_replay in ("off", "r2"), "train.routing_replay", f"{t.routing_replay} (the engine's "

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.trainer.test_train_e2e import ENV, REPO, command, kill_after_checkpoint, train
+from tests.trainer.test_train_e2e import DEMO, ENV, REPO, command, kill_after_checkpoint, train
 
 PARTIAL = ["rollout.partial=true", "rollout.partial_token_budget=4", "rollout.logprobs_from=engine"]
 COMMON = ["train.steps=4", "sft.steps=40", "train.prompts_per_step=8", "eval.every_steps=2", "eval.num_prompts=8",
@@ -49,3 +49,45 @@ def test_a_checkpoint_with_responses_in_flight_is_not_resumed_without_partial(tm
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=ENV)
     assert proc.returncode != 0
     assert "holds partial responses in flight; resume it with rollout.partial=true" in proc.stderr
+
+
+def sglang_partial_worker(rank, world_size, run_dir: str, url: str, disk_dir: str) -> list[dict]:
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.trainer.loop import Trainer
+    from tests.trainer.test_sglang_ranks import _trainer_overrides
+
+    config = load_config(DEMO, _trainer_overrides([url], disk_dir, "train.steps=2", "rollout.partial=true",
+                                                  "rollout.partial_token_budget=2", "rollout.logprobs_from=engine"))
+    trainer = Trainer(config, run_dir)
+    try:
+        out = []
+        for _ in range(2):
+            out.append(trainer.train_step())
+            trainer.step += 1
+        return out
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_the_sglang_engine_continues_partial_responses_with_input_ids(tmp_path):
+    """The SGLang engine against the HTTP stand-in (tests/rollout/sglang_standin.py, not SGLang): step 1
+    samples 2 of the 4 tokens of every response; step 2 sends each unfinished response back as ``input_ids``
+    (its prompt + its 2 tokens) for 2 more, under the weights synced after step 1."""
+    from gspo_megatron.megatron.spawn import run_distributed
+    from tests.rollout.sglang_standin import StandinServer
+
+    with StandinServer() as server:
+        metrics = run_distributed(sglang_partial_worker, 1, (str(tmp_path / "run"), server.url, str(tmp_path / "sync")),
+                                  timeout_s=300)[0]
+        bodies = [body for path, body in server.state.requests if path == "/generate"]
+    rows = [(ids, sp) for body in bodies for ids, sp in zip(body["input_ids"], body["sampling_params"])]
+    assert all(sp["max_new_tokens"] == 2 for _, sp in rows)
+    sent = {tuple(ids) for ids, _ in rows}
+    # a continuation is an earlier request's input (its prompt) + the 2 tokens sampled for it, the first of
+    # which echoes the prompt's last token (the stand-in's rule)
+    continued = [ids for ids, _ in rows if tuple(ids[:-2]) in sent and ids[-2] == ids[-3]]
+    first, second = metrics
+    # step 1's extra round (no group had finished) continued one group; step 2 continues every carried one
+    assert first["partial/rounds"] == 2 and len(continued) > first["partial/carried_responses"] > 0 and second["partial/multi_version_responses"] > 0
+    assert second["partial/max_token_age"] == 1.0
