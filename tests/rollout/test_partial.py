@@ -181,3 +181,18 @@ def test_config_fields_and_unsupported_combinations_are_refused_by_name():
                          ("train.routing_replay", "r3")):
         with pytest.raises(ConfigError, match="^" + re.escape(field) + r": rollout\.partial is not built for"):
             load_config(DEMO, [*on, f"{field}={value}"])
+
+
+def test_a_partial_checkpoint_refuses_another_group_size_on_resume():
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.trainer.resume import resume_changes
+    from gspo_megatron.typed_config import ConfigError, to_dict
+    from tests.trainer.test_train_e2e import DEMO
+
+    on = ["rollout.partial=true", "rollout.partial_token_budget=4", "rollout.logprobs_from=engine"]
+    saved = to_dict(load_config(DEMO, on))
+    with pytest.raises(ConfigError, match=r"^rollout\.samples_per_prompt: cannot change on resume \(8 in the "
+                                          r"checkpoint, 4 now\).*partial responses in flight"):
+        resume_changes(saved, to_dict(load_config(DEMO, [*on, "rollout.samples_per_prompt=4"])))
+    # without partial rollouts (sync mode) the group size may change
+    assert resume_changes(to_dict(load_config(DEMO, [])), to_dict(load_config(DEMO, ["rollout.samples_per_prompt=4"])))
