@@ -198,10 +198,11 @@ class PartialRollouts:
         finished = sum(len(g.responses) for g in self.groups if g.done)
         return finished, sum(r.finish_reason is None for g in self.groups for r in g.responses)
 
-    def take_finished(self, version: int) -> tuple[list[InFlightGroup], dict[str, float]]:
-        """Remove and return the finished groups (in pool order: oldest first), and this rank's counts
-        (``partial/...``: summed over ranks, but ``max_token_age``: the maximum). Raises if any token would
-        be trained more than ``max_staleness`` updates after it was sampled (the config rules that out)."""
+    def take_finished(self, version: int) -> tuple[list[InFlightGroup], dict[str, float], int]:
+        """Remove and return the finished groups (in pool order: oldest first), this rank's counts
+        (``partial/...``, to be summed over ranks) and the age of its oldest trained token. Raises if any
+        token would be trained more than ``max_staleness`` updates after it was sampled (the config rules
+        that out)."""
         finished = [g for g in self.groups if g.done]
         self.groups = [g for g in self.groups if not g.done]
         ages = [token_ages(r.segments, version) for g in finished for r in g.responses]
@@ -217,8 +218,7 @@ class PartialRollouts:
             "partial/carried_groups": float(len(self.groups)),
             "partial/carried_responses": float(sum(r.finish_reason is None for r in carried)),
             "partial/carried_tokens": float(sum(len(r) for r in carried)),
-            "partial/max_token_age": float(oldest),
-        }
+        }, oldest
 
     # ---- checkpoint ------------------------------------------------------------------------------
     def state_dict(self) -> list[dict[str, Any]]:

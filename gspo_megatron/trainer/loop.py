@@ -470,17 +470,14 @@ class Trainer:
             if finished >= need or running == 0:
                 break
             max_groups = -(-(need - finished) // G)  # per rank: a few more than needed at DP > 1, never fewer
-        groups, local = self.in_flight.take_finished(self.step)
+        groups, sums, oldest = self.in_flight.take_finished(self.step)
         batch, reward_metrics = self._score_and_gather(
-            [g.prompt for g in groups], [r.to_sample(g.slot) for g in groups for r in g.responses],
-            self.config.rollout.samples_per_prompt)
-        totals = torch.tensor([v for k, v in local.items() if k != "partial/max_token_age"], dtype=torch.float64)
-        oldest = torch.tensor([local["partial/max_token_age"]], dtype=torch.float64)
+            [g.prompt for g in groups], [r.to_sample(g.slot) for g in groups for r in g.responses], G)
+        totals, age = torch.tensor(list(sums.values()), dtype=torch.float64), torch.tensor([oldest])
         dist.all_reduce(totals, group=self.policy.groups.data_parallel)
-        dist.all_reduce(oldest, op=dist.ReduceOp.MAX, group=self.policy.groups.data_parallel)
-        counts = dict(zip([k for k in local if k != "partial/max_token_age"], totals.tolist()))
-        counts.update({"partial/max_token_age": float(oldest), "partial/rounds": float(rounds)})
-        return batch, reward_metrics, int(oldest), counts
+        dist.all_reduce(age, op=dist.ReduceOp.MAX, group=self.policy.groups.data_parallel)
+        counts = {**dict(zip(sums, totals.tolist())), "partial/max_token_age": float(age), "partial/rounds": float(rounds)}
+        return batch, reward_metrics, int(age), counts
 
     def train_step(self) -> dict[str, float]:
         """One GSPO step, the paper's order: 1-2 rollout of G samples per prompt and their rewards; 3 group
