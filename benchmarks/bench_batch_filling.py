@@ -27,10 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "batch_filling.json"
 
 TASKS = {
-    "demo": {"config": "examples/cpu_demo.yaml", "buffer": 2,
+    "demo": {"config": "examples/cpu_demo.yaml", "buffer": 2, "budgets": (4, 6),
              "warm": ["sft.steps=60"],
              "rl": ["train.steps=20", "eval.every_steps=5", "eval.num_prompts=64", "eval.pass_k=1"]},
-    "chain": {"config": "examples/experiments/moe_repro.yaml", "buffer": 8,
+    "chain": {"config": "examples/experiments/moe_repro.yaml", "buffer": 8, "budgets": (28, 42),
               "warm": ["sft.steps=300"],
               "rl": ["train.steps=12", "train.prompts_per_step=8", "eval.every_steps=4", "eval.num_prompts=50",
                      "eval.pass_k=1"]},
@@ -40,12 +40,23 @@ ARMS = {
     "filter": ["rollout.filter_groups=zero_variance", "rollout.max_generation_rounds=3"],
     "mask": ["rollout.overlong=mask"],
     "soft_penalty": ["rollout.overlong=soft_penalty"],  # overlong_buffer_tokens: the task's buffer
-    # partial rollouts take pi_old from the engine (per-token behaviour log-probs); plain_engine is their control
+    # partial rollouts take pi_old from the engine (per-token behaviour log-probs); plain_engine is their control.
+    # partial_token_budget: the task's budgets (partial: the first, partial_wide: the second), each within
+    # ceil(max_new_tokens / budget) - 1 <= train.max_staleness (1)
     "plain_engine": ["rollout.logprobs_from=engine"],
-    "partial": ["rollout.logprobs_from=engine", "rollout.partial=true", "rollout.partial_token_budget=4"],
-    "partial6": ["rollout.logprobs_from=engine", "rollout.partial=true", "rollout.partial_token_budget=6"],
+    "partial": ["rollout.logprobs_from=engine", "rollout.partial=true"],
+    "partial_wide": ["rollout.logprobs_from=engine", "rollout.partial=true"],
 }
 COMMON = ["logging.console=false", "logging.tensorboard=false", "checkpoint.every_steps=0"]
+
+
+def task_overrides(arm: str, spec: dict) -> list[str]:
+    """The arm's settings that depend on the task: the overlong buffer, the partial-rollout budget."""
+    if arm == "soft_penalty":
+        return [f"rollout.overlong_buffer_tokens={spec['buffer']}"]
+    if arm.startswith("partial"):
+        return [f"rollout.partial_token_budget={spec['budgets'][arm == 'partial_wide']}"]
+    return []
 
 
 def train(config: str, run_dir: Path, overrides: list[str], init_from: Path | None = None) -> float:
@@ -101,7 +112,7 @@ def run(tasks: list[str], arms: list[str], out: Path, results: Path) -> dict:
         for arm in arms:
             if arm in entry["arms"]:
                 continue
-            overrides = ARMS[arm] + (["rollout.overlong_buffer_tokens=" + str(spec["buffer"])] if arm == "soft_penalty" else [])
+            overrides = ARMS[arm] + task_overrides(arm, spec)
             run_dir = out / task / arm
             wall = train(spec["config"], run_dir, spec["rl"] + overrides, init_from=init)
             records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
