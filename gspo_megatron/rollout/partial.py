@@ -16,6 +16,9 @@ and the age of token t when trained at version v is ``v - v_t`` (``token_ages``)
 
 which is what the loss computes when ``old_logprobs`` are the behaviour log-probs (``rollout.logprobs_from:
 engine``; the trainer's ``Sample.logprobs`` of a finished response are exactly ``behaviour_logprobs``).
+With ``recompute`` pi_old would be the current weights for every token, blind to the older segments, so the
+config accepts it only with truncated importance sampling (``loss.tis_mode``), which weights the recomputed
+(proximal) pi_old towards these per-token behaviour log-probs (``rollout_logprobs``).
 
 Bounds. A response gets ``budget`` tokens in every step it is in flight, so it ends within
 ``steps_in_flight(max_new_tokens, budget)`` steps and no trained token is older than that minus one: the
