@@ -1,8 +1,10 @@
-"""Dynamic sampling and overlong handling (trainer/batch_filling.py) against the plain step, side by side in one
+"""Dynamic sampling and overlong handling (trainer/batch_filling.py) and partial rollouts (rollout/partial.py)
+against the plain step, side by side in one
 run: on the CPU demo (sorting, answers of 6 tokens, max 8) and on the chain task (six +/- steps, answers of
 35-46 tokens, max 56), every arm starting from the same warm start (``--init-from``).
 
     python benchmarks/bench_batch_filling.py [--tasks demo chain] [--arms ...] [--out runs/bench_batch_filling]
+        [--results benchmarks/results/batch_filling.json]   # the figure: docs/figures/<results name>.png
 
 Per arm: wall time per trained sample and per *informative* trained sample (non-zero advantage, outside the
 overlong mask), samples generated per trained sample, held-out greedy accuracy gained and gained per
@@ -23,13 +25,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "batch_filling.json"
-FIGURE = REPO / "docs" / "figures" / "batch_filling.png"
 
 TASKS = {
-    "demo": {"config": "examples/cpu_demo.yaml", "buffer": 2,
+    "demo": {"config": "examples/cpu_demo.yaml", "buffer": 2, "budgets": (4, 6),
              "warm": ["sft.steps=60"],
              "rl": ["train.steps=20", "eval.every_steps=5", "eval.num_prompts=64", "eval.pass_k=1"]},
-    "chain": {"config": "examples/experiments/moe_repro.yaml", "buffer": 8,
+    "chain": {"config": "examples/experiments/moe_repro.yaml", "buffer": 8, "budgets": (28, 42),
               "warm": ["sft.steps=300"],
               "rl": ["train.steps=12", "train.prompts_per_step=8", "eval.every_steps=4", "eval.num_prompts=50",
                      "eval.pass_k=1"]},
@@ -39,8 +40,23 @@ ARMS = {
     "filter": ["rollout.filter_groups=zero_variance", "rollout.max_generation_rounds=3"],
     "mask": ["rollout.overlong=mask"],
     "soft_penalty": ["rollout.overlong=soft_penalty"],  # overlong_buffer_tokens: the task's buffer
+    # partial rollouts take pi_old from the engine (per-token behaviour log-probs); plain_engine is their control.
+    # partial_token_budget: the task's budgets (partial: the first, partial_wide: the second), each within
+    # ceil(max_new_tokens / budget) - 1 <= train.max_staleness (1)
+    "plain_engine": ["rollout.logprobs_from=engine"],
+    "partial": ["rollout.logprobs_from=engine", "rollout.partial=true"],
+    "partial_wide": ["rollout.logprobs_from=engine", "rollout.partial=true"],
 }
 COMMON = ["logging.console=false", "logging.tensorboard=false", "checkpoint.every_steps=0"]
+
+
+def task_overrides(arm: str, spec: dict) -> list[str]:
+    """The arm's settings that depend on the task: the overlong buffer, the partial-rollout budget."""
+    if arm == "soft_penalty":
+        return [f"rollout.overlong_buffer_tokens={spec['buffer']}"]
+    if arm.startswith("partial"):
+        return [f"rollout.partial_token_budget={spec['budgets'][arm == 'partial_wide']}"]
+    return []
 
 
 def train(config: str, run_dir: Path, overrides: list[str], init_from: Path | None = None) -> float:
@@ -60,7 +76,7 @@ def summarise(records: list[dict], prompts_per_step: int, samples_per_prompt: in
     steps = [m for m in records if m["step"] > 0]
     trained = informative = generated = 0.0
     for m in steps:
-        groups = m.get("filter/groups_trained", prompts_per_step)
+        groups = m.get("filter/groups_trained", m.get("partial/groups_trained", prompts_per_step))
         masked = m.get("overlong/masked_samples", 0.0)
         trained += groups * samples_per_prompt - masked
         informative += groups * (1.0 - m["zero_variance_group_frac"]) * samples_per_prompt - masked
@@ -77,10 +93,10 @@ def summarise(records: list[dict], prompts_per_step: int, samples_per_prompt: in
             "eval_curve": [[s, a, sum(step_s[:s])] for s, a in evals]}
 
 
-def run(tasks: list[str], arms: list[str], out: Path) -> dict:
+def run(tasks: list[str], arms: list[str], out: Path, results: Path) -> dict:
     from gspo_megatron.trainer.config import load_config
 
-    data = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    data = json.loads(results.read_text()) if results.is_file() else {}
     for task in tasks:
         spec = TASKS[task]
         cfg = load_config(REPO / spec["config"], spec["rl"])
@@ -96,13 +112,13 @@ def run(tasks: list[str], arms: list[str], out: Path) -> dict:
         for arm in arms:
             if arm in entry["arms"]:
                 continue
-            overrides = ARMS[arm] + (["rollout.overlong_buffer_tokens=" + str(spec["buffer"])] if arm == "soft_penalty" else [])
+            overrides = ARMS[arm] + task_overrides(arm, spec)
             run_dir = out / task / arm
             wall = train(spec["config"], run_dir, spec["rl"] + overrides, init_from=init)
             records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             entry["arms"][arm] = {"overrides": overrides, "wall_s": wall,
                                   **summarise(records, cfg.train.prompts_per_step, cfg.rollout.samples_per_prompt)}
-            _write_json(RESULTS, data)
+            _write_json(results, data)
             s = entry["arms"][arm]
             print(f"{task} {arm}: {s['s_per_trained_sample'] * 1e3:.1f} ms/trained sample, "
                   f"{s['s_per_informative_sample'] * 1e3:.1f} ms/informative sample, eval {s['eval_start']:.3f} -> "
@@ -122,7 +138,7 @@ def report(data: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(data: dict) -> None:
+def plot(data: dict, figure: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,10 +153,10 @@ def plot(data: dict) -> None:
                ylabel="eval_accuracy")
         ax.legend()
     fig.tight_layout()
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
-    tmp = FIGURE.with_name(f".{FIGURE.name}.{os.getpid()}.png")
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    tmp = figure.with_name(f".{figure.name}.{os.getpid()}.png")
     fig.savefig(tmp, dpi=110)
-    os.replace(tmp, FIGURE)
+    os.replace(tmp, figure)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -155,10 +171,11 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_batch_filling")
+    parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--report", action="store_true", help="only print the table and draw the figure")
     args = parser.parse_args()
-    data = json.loads(RESULTS.read_text()) if args.report else run(args.tasks, args.arms, args.out)
-    plot(data)
+    data = json.loads(args.results.read_text()) if args.report else run(args.tasks, args.arms, args.out, args.results)
+    plot(data, REPO / "docs" / "figures" / f"{args.results.stem}.png")
     print(report(data))
 
 

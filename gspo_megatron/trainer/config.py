@@ -22,6 +22,7 @@ from gspo_megatron.megatron.parallel import ParallelConfig
 from gspo_megatron.megatron.optimizer import OptimizerConfig
 from gspo_megatron.rewards.config import RewardConfig
 from gspo_megatron.rollout.agent_loop import MultiTurnConfig
+from gspo_megatron.rollout.partial import steps_in_flight
 from gspo_megatron.rollout.sglang_config import SGLangConfig
 from gspo_megatron.typed_config import ConfigError, build, check, to_dict
 
@@ -92,6 +93,10 @@ class RolloutSection:
     overlong_buffer_tokens: int = 0
     # tool calls during a response (rollout/agent_loop.py, docs/multi-turn.md); max_new_tokens bounds each turn
     multi_turn: MultiTurnConfig | None = None
+    # partial rollouts (rollout/partial.py): each step gives every unfinished response at most
+    # partial_token_budget new tokens; groups not finished by then continue next step under the new weights
+    partial: bool = False
+    partial_token_budget: int = 0
 
     def validate(self, path: str) -> None:
         check(self.samples_per_prompt >= 2, f"{path}.samples_per_prompt",
@@ -108,6 +113,9 @@ class RolloutSection:
         check(self.overlong != "soft_penalty" or 1 <= self.overlong_buffer_tokens <= self.max_new_tokens,
               f"{path}.overlong_buffer_tokens", f"must be in 1..rollout.max_new_tokens ({self.max_new_tokens}) "
               f"with overlong: soft_penalty, got {self.overlong_buffer_tokens}")
+        check(not self.partial or 1 <= self.partial_token_budget <= self.max_new_tokens,
+              f"{path}.partial_token_budget", f"must be in 1..rollout.max_new_tokens ({self.max_new_tokens}) "
+              f"with partial: true, got {self.partial_token_budget}")
 
 
 @dataclasses.dataclass
@@ -273,6 +281,8 @@ class TrainConfig:
             check(self.model.config.max_position_embeddings >= need, "rollout.multi_turn.max_trajectory_tokens",
                   f"data.max_prompt_tokens + max_trajectory_tokens = {need} exceeds "
                   f"model.config.max_position_embeddings ({self.model.config.max_position_embeddings})")
+        if self.rollout.partial:
+            check_partial(self)
         responses = self.train.prompts_per_step * self.rollout.samples_per_prompt
         check(responses >= self.train.minibatches_per_step, "train.minibatches_per_step",
               f"must be <= prompts_per_step x samples_per_prompt = {responses}")
@@ -286,6 +296,28 @@ class TrainConfig:
                   f"data.max_prompt_tokens={self.data.max_prompt_tokens} + rollout.max_new_tokens="
                   f"{self.rollout.max_new_tokens} = {longest} is beyond {where}{'' if where.endswith(':') else '.'}"
                   f"max_position_embeddings={model.max_position_embeddings}")
+
+
+def check_partial(config: "TrainConfig") -> None:
+    """What ``rollout.partial`` needs of the rest of the config, and what it does not support yet (by name)."""
+    r, t = config.rollout, config.train
+    unsupported = ((t.rollout_mode == "sync", "train.rollout_mode", "overlap"),
+                   (r.multi_turn is None, "rollout.multi_turn", "set"),
+                   (r.filter_groups == "none", "rollout.filter_groups", r.filter_groups),
+                   (t.routing_replay in ("off", "r2"), "train.routing_replay", f"{t.routing_replay} (the engine's "
+                    "experts of earlier segments are not kept)"))
+    for ok, field, value in unsupported:
+        check(ok, field, f"rollout.partial is not built for {value} yet (docs/training.md, \"Partial rollouts\")")
+    # the ratio needs the behaviour policy of every token: as pi_old, or through truncated importance sampling
+    check(r.logprobs_from == "engine" or config.loss.tis_mode != "none", "rollout.logprobs_from",
+          "with rollout.partial the tokens of a response come from several weight versions: use engine (pi_old = "
+          "each token's behaviour log-prob) or keep recompute with loss.tis_mode: sequence/token (the recomputed "
+          "pi_old corrected towards the behaviour log-probs)")
+    age = steps_in_flight(r.max_new_tokens, r.partial_token_budget) - 1
+    check(age <= t.max_staleness, "rollout.partial_token_budget",
+          f"{r.partial_token_budget} lets a response run over {age + 1} steps, so its first tokens would be {age} "
+          f"updates old, beyond train.max_staleness={t.max_staleness}: raise the budget to at least "
+          f"{-(-r.max_new_tokens // (t.max_staleness + 1))} or train.max_staleness to {age}")
 
 
 def check_world_size(parallel: ParallelConfig, world_size: int) -> None:

@@ -35,6 +35,7 @@ from gspo_megatron.megatron.policy_model import PolicyModel
 from gspo_megatron.megatron.routing import replay_for_step
 from gspo_megatron.rollout.agent_loop import tool_metrics
 from gspo_megatron.rollout.base import RolloutInputError, SamplingParams
+from gspo_megatron.rollout.partial import PartialRollouts
 from gspo_megatron.trainer.batch_filling import BatchFiller, round_seed
 from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, overlap_timing, staleness, trainer_threads
 from gspo_megatron.trainer import completions
@@ -113,6 +114,9 @@ class Trainer:
                                       shuffle=config.data.shuffle)
         self.rewards = build_reward_pool(config.rewards, on_failures=self._count_reward_failures)
         self.filler = BatchFiller.from_config(config.rollout, config.train)
+        r = config.rollout  # partial rollouts: the groups in flight on this rank (rollout/partial.py)
+        self.in_flight = (PartialRollouts(r.samples_per_prompt, r.partial_token_budget, r.max_new_tokens,
+                                          config.train.max_staleness) if r.partial else None)
         self.preemption = PreemptionFlag()
         self.preemption.install()
         self.step = 0
@@ -445,6 +449,36 @@ class Trainer:
                                 **sampling)
         return batch
 
+    def _partial_rollout(self) -> tuple[list, dict[str, float], int, dict[str, float]]:
+        """Steps 1-2 with partial rollouts (rollout/partial.py): this step's prompts join the groups in flight,
+        every unfinished response gets ``rollout.partial_token_budget`` tokens, the finished groups are scored
+        and gathered, the rest is carried. While the finished groups hold fewer than
+        ``train.minibatches_per_step`` samples (the first step: no group has had time to finish), further
+        rounds continue just the oldest groups that could make up the count, so the rest stays in flight.
+        Returns (batch, reward metrics, oldest token's age, counts)."""
+        sampling = self._rl_sampling(self.step)
+        mine, params = self._sampling(next(self.prompts), **sampling)
+        self.in_flight.add(mine, params.prompt_offset, self.step)
+        need, G = self.config.train.minibatches_per_step, self.config.rollout.samples_per_prompt
+        rounds, max_groups = 0, None
+        while True:  # every rank the same number of rounds: the counts are summed over data-parallel ranks
+            self.in_flight.generate_round(self._generate, params, self.step, rounds, max_groups)
+            rounds += 1
+            counts = torch.tensor(self.in_flight.counts(), dtype=torch.long)
+            dist.all_reduce(counts, group=self.policy.groups.data_parallel)
+            finished, running = counts.tolist()
+            if finished >= need or running == 0:
+                break
+            max_groups = -(-(need - finished) // G)  # per rank: a few more than needed at DP > 1, never fewer
+        groups, sums, oldest = self.in_flight.take_finished(self.step)
+        batch, reward_metrics = self._score_and_gather(
+            [g.prompt for g in groups], [r.to_sample(g.slot) for g in groups for r in g.responses], G)
+        totals, age = torch.tensor(list(sums.values()), dtype=torch.float64), torch.tensor([oldest])
+        dist.all_reduce(totals, group=self.policy.groups.data_parallel)
+        dist.all_reduce(age, op=dist.ReduceOp.MAX, group=self.policy.groups.data_parallel)
+        counts = {**dict(zip(sums, totals.tolist())), "partial/max_token_age": float(age), "partial/rounds": float(rounds)}
+        return batch, reward_metrics, int(age), counts
+
     def train_step(self) -> dict[str, float]:
         """One GSPO step, the paper's order: 1-2 rollout of G samples per prompt and their rewards; 3 group
         advantages (Eq. 6); 4 old-policy log-probs; 5 reference log-probs (KL > 0); 6 one optimizer step per
@@ -458,7 +492,9 @@ class Trainer:
 
         # 1-2. rollout and rewards
         replay = cfg.train.routing_replay  # off | r2 (old-policy forward's experts) | r3 (the engine's) | auto
-        if self.ahead is None:
+        if self.in_flight is not None:
+            batch, reward_metrics, age, timing = self._partial_rollout()
+        elif self.ahead is None:
             batch, reward_metrics = self.rollout(next(self.prompts), samples_per_prompt=G, **self._rl_sampling(self.step))
             age, timing = 0, {}
         else:
@@ -512,7 +548,7 @@ class Trainer:
         metrics.update(routing_metrics)
         if self.ahead is not None:
             metrics.update({f"{k}/staleness{age}": v for k, v in list(metrics.items()) if k.startswith("clip_frac")})
-            metrics.update(timing)
+        metrics.update(timing)  # overlap's timing or partial rollouts' counts ({} otherwise)
         metrics.update(reward_metric_keys(reward_metrics))
         metrics.update(timings)
         total = time.perf_counter() - t0
@@ -698,9 +734,9 @@ class Trainer:
         if self.ahead is not None:
             # the batches already generated ahead belong to the run: the resumed run consumes the same ones
             self.ahead.complete(self.engine.result)
-            parts = [None] * self.dp_size
-            dist.all_gather_object(parts, self.ahead.state_dict(), group=self.policy.groups.data_parallel)
-            meta["rollout_ahead"] = {"dp_size": self.dp_size, "ranks": parts}
+            meta["rollout_ahead"] = self._per_dp_rank(self.ahead.state_dict())
+        if self.in_flight is not None:  # the partial responses in flight, continued exactly by the resumed run
+            meta["partial_rollouts"] = self._per_dp_rank(self.in_flight.state_dict())
         path = ckpt.save(self._sharded_state(), self.checkpoint_dir(self.step), common=meta, overwrite=True,
                          rank_files=None if partial is None else lambda folder: partial.write(folder, self.rank))
         if self.is_main:
@@ -771,6 +807,7 @@ class Trainer:
         self.step = int(meta["step"])
         self.faults.update(meta["faults"])
         self._load_rollout_ahead(meta.get("rollout_ahead"), path)
+        self._load_partial_rollouts(meta.get("partial_rollouts"), path)
         self.saved_step = self.step
         self.pending = {} if warm is not None else meta.get("pending")
         if "partial_step" in meta:
@@ -782,16 +819,33 @@ class Trainer:
                   flush=True)
         return None if warm is None else int(warm["step"])
 
-    def _load_rollout_ahead(self, saved: dict | None, path: Path) -> None:
+    def _per_dp_rank(self, state: list) -> dict:
+        """Each data-parallel rank's ``state`` (plain data) for the checkpoint's metadata (a collective)."""
+        parts = [None] * self.dp_size
+        dist.all_gather_object(parts, state, group=self.policy.groups.data_parallel)
+        return {"dp_size": self.dp_size, "ranks": parts}
+
+    def _my_part(self, saved: dict | None, path: Path, what: str, holder, setting: str) -> list | None:
+        """This rank's part of ``_per_dp_rank`` data in a checkpoint (None: nothing saved); ``holder`` None
+        (the run has no place for ``what``) or another data-parallel size is refused, naming ``setting``."""
         if saved is None or not any(saved["ranks"]):
-            return
-        if self.ahead is None:
-            raise ConfigError(f"{path}: the checkpoint holds batches generated ahead (train.rollout_mode: overlap); "
-                             "resume it with train.rollout_mode=overlap")
+            return None
+        if holder is None:
+            raise ConfigError(f"{path}: the checkpoint holds {what}; resume it with {setting}")
         if saved["dp_size"] != self.dp_size:
-            raise ConfigError(f"{path}: the batches generated ahead were split over {saved['dp_size']} data-parallel "
+            raise ConfigError(f"{path}: the {what} were split over {saved['dp_size']} data-parallel "
                              f"ranks, this run has {self.dp_size}; resume at the same data-parallel size")
-        self.ahead.load_state_dict(saved["ranks"][self.dp_rank], self.train_data)
+        return saved["ranks"][self.dp_rank]
+
+    def _load_rollout_ahead(self, saved: dict | None, path: Path) -> None:
+        mine = self._my_part(saved, path, "batches generated ahead", self.ahead, "train.rollout_mode=overlap")
+        if mine is not None:
+            self.ahead.load_state_dict(mine, self.train_data)
+
+    def _load_partial_rollouts(self, saved: dict | None, path: Path) -> None:
+        mine = self._my_part(saved, path, "partial responses in flight", self.in_flight, "rollout.partial=true")
+        if mine is not None:
+            self.in_flight.load_state_dict(mine, self.train_data)
 
     # ---- the loop --------------------------------------------------------------------------------
     def preempted(self) -> bool:

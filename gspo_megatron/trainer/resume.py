@@ -49,6 +49,11 @@ def _was_overlap(saved: Flat, old: Any, new: Any) -> bool:
     return saved.get("train.rollout_mode") == "overlap"
 
 
+def _holds_groups(saved: Flat, old: Any, new: Any) -> bool:
+    """The checkpoint may hold whole groups of responses: batches generated ahead or partial responses."""
+    return saved.get("train.rollout_mode") == "overlap" or bool(saved.get("rollout.partial"))
+
+
 def _overlap_to_sync(saved: Flat, old: Any, new: Any) -> bool:
     return old == "overlap" and new != "overlap"
 
@@ -63,8 +68,9 @@ REFUSED: dict[str, tuple[Callable[[Flat, Any, Any], bool], str]] = {
                                     "> 0 is applied)"),
     "train.rollout_mode": (_overlap_to_sync, "an overlap checkpoint holds the batches generated ahead; "
                                              "resume it with train.rollout_mode=overlap"),
-    "rollout.samples_per_prompt": (_was_overlap, "the batches generated ahead (train.rollout_mode: overlap) "
-                                                 "hold the saved number of samples"),
+    "rollout.samples_per_prompt": (_holds_groups, "the batches generated ahead (train.rollout_mode: overlap) "
+                                                  "or the partial responses in flight (rollout.partial) hold the "
+                                                  "saved number of samples"),
     "train.prompts_per_step": (_was_overlap, "the batches generated ahead (train.rollout_mode: overlap) hold "
                                              "the saved number of prompts"),
     "train.max_staleness": (_was_overlap, "the checkpoint holds that many batches generated ahead"),
