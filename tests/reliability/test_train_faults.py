@@ -124,7 +124,7 @@ def test_converted_checkpoint_evaluates_with_the_training_yaml(tmp_path):
 
 
 def test_a_resume_applies_a_changed_lr_and_refuses_a_new_kl_term_by_name(run_dir, tmp_path):
-    """--resume optimizer.lr=1e-3 on a 1e-4 run trains at 1e-3 (Megatron's scheduler used to keep the
+    """--resume optimizer.lr=1e-3 on a 3e-4 run (the demo's) trains at 1e-3 (Megatron's scheduler used to keep the
     checkpoint's value while config.yaml said 0.001); loss.kl_coef 0 -> 0.1 would need a reference model the
     checkpoint lacks: one line naming the field, exit 2, config.yaml unchanged (was a raw traceback)."""
     copy = tmp_path / "run"
@@ -141,11 +141,11 @@ def test_a_resume_applies_a_changed_lr_and_refuses_a_new_kl_term_by_name(run_dir
     applied = _run(train_command(copy, *[r for r in RUN if not r.startswith("train.steps")], "train.steps=3",
                                  "optimizer.lr=1e-3", resume=True))
     assert applied.returncode == 0, applied.stderr[-3000:]
-    assert "resume: optimizer.lr 0.0001 -> 0.001 (applied)" in applied.stdout
+    assert "resume: optimizer.lr 0.0003 -> 0.001 (applied)" in applied.stdout
     assert "resume: train.steps 2 -> 3 (applied)" in applied.stdout
     metrics = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
-    assert metrics[2]["lr"] == pytest.approx(1e-4) and metrics[3]["lr"] == pytest.approx(1e-3)
+    assert metrics[2]["lr"] == pytest.approx(3e-4) and metrics[3]["lr"] == pytest.approx(1e-3)
     assert "lr: 0.001" in (copy / "config.yaml").read_text()
 
 

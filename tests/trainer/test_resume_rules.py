@@ -18,7 +18,7 @@ def _pair(saved: list[str], now: list[str]):
 
 def test_changed_settings_are_listed_to_be_applied():
     saved, now = _pair([], ["optimizer.lr=1e-3", "train.steps=99", "rollout.temperature=0.7"])
-    assert resume_changes(saved, now) == [("optimizer.lr", 1e-4, 1e-3), ("rollout.temperature", 1.0, 0.7),
+    assert resume_changes(saved, now) == [("optimizer.lr", 3e-4, 1e-3), ("rollout.temperature", 1.0, 0.7),
                                           ("train.steps", 60, 99)]
     assert resume_changes(saved, saved) == []
     # a field the checkpoint does not know (added since it was saved) is not compared
