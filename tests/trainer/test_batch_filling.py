@@ -144,7 +144,10 @@ def test_config_fields_are_validated():
 # ---- in the trainer ------------------------------------------------------------------------------------
 from tests.trainer.test_train_e2e import DEMO as DEMO_CONFIG  # noqa: E402
 
-FILTER = ["rollout.filter_groups=zero_variance", "rollout.max_generation_rounds=3"]
+# lr 1e-4, where LOSS_TOL below was measured: at the demo's 3e-4 the float32 noise between layouts after a
+# step (sequence log-ratios ~1e-4) is of the clip's own width (3e-4), so a sequence can clip at one layout and
+# not the other and pg_loss moves by ~20 % at DP=2 with identical rewards (measured)
+FILTER = ["rollout.filter_groups=zero_variance", "rollout.max_generation_rounds=3", "optimizer.lr=1e-4"]
 
 
 def _check_filled(metrics, prompts_per_step):
