@@ -152,6 +152,31 @@ class InFlightGroup:
     def done(self) -> bool:
         return all(r.finish_reason is not None for r in self.responses)
 
+    @property
+    def key(self) -> tuple[int, int]:
+        """(start step, global prompt index): the group's place in the run, the same at every layout; the
+        pool holds its groups in this order."""
+        return self.started, self.slot
+
+
+@dataclasses.dataclass
+class RoundCall:
+    """One engine call of a round: ``prompts`` (each a prompt, or a prompt + a response so far) and the
+    ``responses`` its samples extend, in the engine's output order (``samples_per_prompt`` per prompt)."""
+
+    responses: list[InFlightResponse]
+    prompts: list[list[int]]
+    samples_per_prompt: int
+    params: SamplingParams
+
+    def apply(self, samples: Sequence[Sample], version: int, max_new_tokens: int) -> None:
+        """Extend every response by its sample, a segment of weight ``version``."""
+        if len(samples) != len(self.responses):
+            raise ValueError(f"partial rollouts: the engine returned {len(samples)} samples for "
+                             f"{len(self.responses)} responses")
+        for response, sample in zip(self.responses, samples):
+            response.extend(sample, version, max_new_tokens)
+
 
 class PartialRollouts:
     """The pool of groups in flight on this rank (module docstring)."""
@@ -169,32 +194,38 @@ class PartialRollouts:
             self.groups.append(InFlightGroup(prompt, slot, step, [InFlightResponse(u) for u in uids]))
 
     def generate_round(self, generate: Generate, params: SamplingParams, version: int, round_index: int,
-                       max_groups: int | None = None) -> None:
-        """One round: ``budget`` more tokens for every unfinished response (``max_groups``: of the oldest
-        that many unfinished groups only). Round 0 first samples the fresh groups with ``params`` (the step's
-        sampling, as without partial rollouts); then one continuation call per ``continuation_lengths``
-        entry, made on every rank even when it is empty."""
-        unfinished = [g for g in self.groups if not g.done][:max_groups]
-        # the responses this round continues: taken before any call, so each gets one call per round
-        running = [(g, r) for g in unfinished for r in g.responses if r.finish_reason is None and len(r) > 0]
+                       only: set[tuple[int, int]] | None = None) -> None:
+        """One round now: ``plan_round``'s calls made with ``generate`` and their samples applied at ``version``."""
+        for call in self.plan_round(params, round_index, only):
+            call.apply(generate(call.prompts, call.samples_per_prompt, call.params), version, self.max_new_tokens)
+
+    def plan_round(self, params: SamplingParams, round_index: int,
+                   only: set[tuple[int, int]] | None = None) -> list["RoundCall"]:
+        """The engine calls of one round: ``budget`` more tokens for every unfinished response
+        (``only``: of the unfinished groups with these ``InFlightGroup.key`` s). Round 0 first samples the fresh
+        groups with ``params`` (the step's sampling, as without partial rollouts); then one continuation
+        call per ``continuation_lengths`` entry. The same number of calls on every rank, empty or not (each
+        is an engine call every rank joins). Overlap mode submits them ahead and applies them a step later."""
+        unfinished = [g for g in self.groups if not g.done and (only is None or g.key in only)]
+        running = [r for g in unfinished for r in g.responses if r.finish_reason is None and len(r) > 0]
+        calls = []
         if round_index == 0:
             fresh = [g for g in self.groups if all(len(r) == 0 and r.finish_reason is None for r in g.responses)]
             first = dataclasses.replace(params, max_new_tokens=min(self.budget, self.max_new_tokens))
-            samples = generate([list(g.prompt.prompt_ids) for g in fresh], self.G, first)
-            for response, sample in zip((r for g in fresh for r in g.responses), samples):
-                response.extend(sample, version, self.max_new_tokens)
+            calls.append(RoundCall([r for g in fresh for r in g.responses], [list(g.prompt.prompt_ids) for g in fresh],
+                                   self.G, first))
+        prompts = {r.uid: list(g.prompt.prompt_ids) for g in unfinished for r in g.responses}
         seed = continuation_seed(params.seed, round_index)
         lengths = continuation_lengths(self.max_new_tokens, self.budget)
-        calls = {n: [(g, r) for g, r in running if min(self.budget, self.max_new_tokens - len(r)) == n] for n in lengths}
-        if sum(map(len, calls.values())) != len(running):  # an engine returned fewer tokens than asked, no stop
+        rows = {n: [r for r in running if min(self.budget, self.max_new_tokens - len(r)) == n] for n in lengths}
+        if sum(map(len, rows.values())) != len(running):  # an engine returned fewer tokens than asked, no stop
             raise RuntimeError(f"partial rollouts: responses in flight hold no multiple of "
                                f"rollout.partial_token_budget={self.budget} tokens")
-        for n, rows in calls.items():
-            call = dataclasses.replace(params, seed=seed, prompt_offset=0, prompt_indices=[r.uid for _, r in rows],
+        for n, responses in rows.items():
+            call = dataclasses.replace(params, seed=seed, prompt_offset=0, prompt_indices=[r.uid for r in responses],
                                        max_new_tokens=n)
-            samples = generate([list(g.prompt.prompt_ids) + r.token_ids for g, r in rows], 1, call)
-            for (_, response), sample in zip(rows, samples):
-                response.extend(sample, version, self.max_new_tokens)
+            calls.append(RoundCall(responses, [prompts[r.uid] + r.token_ids for r in responses], 1, call))
+        return calls
 
     def counts(self) -> tuple[int, int]:
         """(finished samples of finished groups, unfinished responses) on this rank."""
@@ -243,5 +274,5 @@ class PartialRollouts:
                              "responses")
 
 
-__all__ = ["InFlightGroup", "InFlightResponse", "PartialRollouts", "Segment", "behaviour_logprobs",
+__all__ = ["InFlightGroup", "InFlightResponse", "PartialRollouts", "RoundCall", "Segment", "behaviour_logprobs",
            "continuation_lengths", "continuation_seed", "steps_in_flight", "token_ages", "token_versions"]

@@ -301,8 +301,7 @@ class TrainConfig:
 def check_partial(config: "TrainConfig") -> None:
     """What ``rollout.partial`` needs of the rest of the config, and what it does not support yet (by name)."""
     r, t = config.rollout, config.train
-    unsupported = ((t.rollout_mode == "sync", "train.rollout_mode", "overlap"),
-                   (r.multi_turn is None, "rollout.multi_turn", "set"),
+    unsupported = ((r.multi_turn is None, "rollout.multi_turn", "set"),
                    (r.filter_groups == "none", "rollout.filter_groups", r.filter_groups),
                    (t.routing_replay in ("off", "r2"), "train.routing_replay", f"{t.routing_replay} (the engine's "
                     "experts of earlier segments are not kept)"))
@@ -313,11 +312,16 @@ def check_partial(config: "TrainConfig") -> None:
           "with rollout.partial the tokens of a response come from several weight versions: use engine (pi_old = "
           "each token's behaviour log-prob) or keep recompute with loss.tis_mode: sequence/token (the recomputed "
           "pi_old corrected towards the behaviour log-probs)")
-    age = steps_in_flight(r.max_new_tokens, r.partial_token_budget) - 1
+    # a response runs over up to steps_in_flight steps; in overlap mode each round is also generated one
+    # update behind the step that takes it
+    lag = int(t.rollout_mode == "overlap")
+    steps = steps_in_flight(r.max_new_tokens, r.partial_token_budget)
+    age = steps - 1 + lag
     check(age <= t.max_staleness, "rollout.partial_token_budget",
-          f"{r.partial_token_budget} lets a response run over {age + 1} steps, so its first tokens would be {age} "
-          f"updates old, beyond train.max_staleness={t.max_staleness}: raise the budget to at least "
-          f"{-(-r.max_new_tokens // (t.max_staleness + 1))} or train.max_staleness to {age}")
+          f"{r.partial_token_budget} lets a response run over {steps} steps, so its first tokens would be {age} "
+          f"updates old{' (overlap mode: one more)' if lag else ''}, beyond train.max_staleness={t.max_staleness}: "
+          + (f"raise the budget to at least {-(-r.max_new_tokens // (t.max_staleness + 1 - lag))} or "
+             if t.max_staleness >= lag else "") + f"train.max_staleness to {age}")
 
 
 def check_world_size(parallel: ParallelConfig, world_size: int) -> None:

@@ -37,7 +37,7 @@ from gspo_megatron.rollout.agent_loop import tool_metrics
 from gspo_megatron.rollout.base import RolloutInputError, SamplingParams
 from gspo_megatron.rollout.partial import PartialRollouts
 from gspo_megatron.trainer.batch_filling import BatchFiller, round_seed
-from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, overlap_timing, staleness, trainer_threads
+from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, RoundAhead, overlap_timing, staleness, trainer_threads
 from gspo_megatron.trainer import completions
 from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
 from gspo_megatron.trainer.preemption import PartialStep, fits_in_grace
@@ -117,6 +117,8 @@ class Trainer:
         r = config.rollout  # partial rollouts: the groups in flight on this rank (rollout/partial.py)
         self.in_flight = (PartialRollouts(r.samples_per_prompt, r.partial_token_budget, r.max_new_tokens,
                                           config.train.max_staleness) if r.partial else None)
+        self.round_ahead: RoundAhead | None = None  # overlap mode: the next step's first round, generating
+        self.engine_version = 0  # the engine's weight version (sync_weights sets it; 1 after the first sync)
         self.preemption = PreemptionFlag()
         self.preemption.install()
         self.step = 0
@@ -397,7 +399,7 @@ class Trainer:
             self.sync_weights()
             self.faults["engine_restarts"] += int(failed)
             if flight is not None:
-                flight.version = self.step + 1  # generated again by the weights just re-synced
+                flight.version = self.engine_version  # generated again by the weights just re-synced
             if self.ahead is not None:
                 # also after a refill round or an evaluation failed: a rebuilt engine lost the queued requests
                 self._resubmit_ahead(rebuilt=error is not None)
@@ -413,15 +415,24 @@ class Trainer:
             return None
         return self.engine.submit([p.prompt_ids for p in mine], self.config.rollout.samples_per_prompt, params)
 
+    def _submit_call(self, call) -> int | None:
+        """Submit one engine call of a partial round (``partial.RoundCall``); None when it has no prompts."""
+        return self.engine.submit(call.prompts, call.samples_per_prompt, call.params) if call.prompts else None
+
     def _resubmit_ahead(self, rebuilt: bool) -> None:
-        """After an engine restart every queued batch is generated again with the current weights (a rebuilt
-        engine lost its requests; a healthy one drops the old results), so all ranks stay on one version."""
-        for queued in self.ahead.queue:
-            if queued.samples is not None:
+        """After an engine restart every queued batch (and the calls of a partial round not yet taken) is
+        generated again with the current weights (a rebuilt engine lost its requests; a healthy one drops the
+        old results), so all ranks stay on one version."""
+        queued = [(flight, self._submit) for flight in self.ahead.queue]
+        if self.round_ahead is not None:  # the call being taken is out of the lists: _generate redoes it
+            queued += [(flight, lambda _, call=call: self._submit_call(call))
+                       for call, flight in zip(self.round_ahead.calls, self.round_ahead.flights)]
+        for flight, submit in queued:
+            if flight.samples is not None:
                 continue
-            if queued.request_id is not None and not rebuilt:
-                self.engine.cancel(queued.request_id)
-            queued.request_id, queued.version = self._submit(queued), self.step + 1
+            if flight.request_id is not None and not rebuilt:
+                self.engine.cancel(flight.request_id)
+            flight.request_id, flight.version = submit(flight), self.engine_version
 
     def _rollout_ahead(self) -> tuple[list, dict[str, float], int, dict[str, float]]:
         """Steps 1-2 in overlap mode: keep the next ``max_staleness`` steps' batches generating, take this
@@ -455,29 +466,80 @@ class Trainer:
         and gathered, the rest is carried. While the finished groups hold fewer than
         ``train.minibatches_per_step`` samples (the first step: no group has had time to finish), further
         rounds continue just the oldest groups that could make up the count, so the rest stays in flight.
-        Returns (batch, reward metrics, oldest token's age, counts)."""
-        sampling = self._rl_sampling(self.step)
-        mine, params = self._sampling(next(self.prompts), **sampling)
-        self.in_flight.add(mine, params.prompt_offset, self.step)
+        In overlap mode the step's first round was submitted while the last step trained (``round_ahead``;
+        its tokens one update older), and the next step's is submitted here, before the update.
+        Returns (batch, reward metrics, oldest token's age, counts and overlap timing)."""
+        sampling, timing = self._rl_sampling(self.step), {}
+        if self.round_ahead is None:  # sync mode and overlap's first step: the first round now
+            mine, params = self._sampling(next(self.prompts), **sampling)
+            self.in_flight.add(mine, params.prompt_offset, self.step)
+            self.in_flight.generate_round(self._generate, params, self.step, 0)
+        else:
+            if self.round_ahead.step != self.step:
+                raise RuntimeError(f"partial rollouts: the round generated ahead is step {self.round_ahead.step}'s, "
+                                   f"not step {self.step}'s")
+            timing, self.round_ahead = self._take_round_ahead(), None
+            params = self._sampling([], **sampling)[1]  # the step's seed and settings, for further rounds
         need, G = self.config.train.minibatches_per_step, self.config.rollout.samples_per_prompt
-        rounds, max_groups = 0, None
+        rounds = 1
         while True:  # every rank the same number of rounds: the counts are summed over data-parallel ranks
-            self.in_flight.generate_round(self._generate, params, self.step, rounds, max_groups)
-            rounds += 1
             counts = torch.tensor(self.in_flight.counts(), dtype=torch.long)
             dist.all_reduce(counts, group=self.policy.groups.data_parallel)
             finished, running = counts.tolist()
             if finished >= need or running == 0:
                 break
-            max_groups = -(-(need - finished) // G)  # per rank: a few more than needed at DP > 1, never fewer
+            chosen = self._oldest_unfinished(-(-(need - finished) // G))  # the groups that could make up the count
+            self.in_flight.generate_round(self._generate, params, self.step, rounds, chosen)
+            rounds += 1
         groups, sums, oldest = self.in_flight.take_finished(self.step)
+        if self.ahead is not None:
+            self._submit_round_ahead()
         batch, reward_metrics = self._score_and_gather(
             [g.prompt for g in groups], [r.to_sample(g.slot) for g in groups for r in g.responses], G)
+        # in the run's group order (start step, prompt index), not rank by rank: the mini-batches, and so
+        # the updates, are those of one process at any data-parallel size
+        keys = self._gather_lists([g.key for g in groups])
+        batch = [batch[i] for i in sorted(range(len(batch)), key=keys.__getitem__)]
         totals, age = torch.tensor(list(sums.values()), dtype=torch.float64), torch.tensor([oldest])
         dist.all_reduce(totals, group=self.policy.groups.data_parallel)
         dist.all_reduce(age, op=dist.ReduceOp.MAX, group=self.policy.groups.data_parallel)
         counts = {**dict(zip(sums, totals.tolist())), "partial/max_token_age": float(age), "partial/rounds": float(rounds)}
-        return batch, reward_metrics, int(age), counts
+        return batch, reward_metrics, int(age), {**counts, **timing}
+
+    def _gather_lists(self, mine: list) -> list:
+        """Every data-parallel rank's ``mine``, concatenated in rank order (a collective)."""
+        parts = [None] * self.dp_size
+        dist.all_gather_object(parts, mine, group=self.policy.groups.data_parallel)
+        return [item for part in parts for item in part]
+
+    def _oldest_unfinished(self, n: int) -> set[tuple[int, int]]:
+        """The keys of the ``n`` oldest unfinished groups over all data-parallel ranks (a collective), so an
+        extra round continues the same groups at every layout."""
+        return set(sorted(self._gather_lists([g.key for g in self.in_flight.groups if not g.done]))[:n])
+
+    def _submit_round_ahead(self) -> None:
+        """Overlap mode with partial rollouts: the next step's prompts join the pool and its first round
+        is submitted now, to be generated by the current weights while this step trains."""
+        upcoming = self.step + 1
+        mine, params = self._sampling(next(self.prompts), **self._rl_sampling(upcoming))
+        self.in_flight.add(mine, params.prompt_offset, upcoming)
+        calls = self.in_flight.plan_round(params, 0)
+        flights = [InFlight(upcoming, [], version=self.engine_version) for _ in calls]
+        self.round_ahead = RoundAhead(upcoming, calls, flights)
+        for call, flight in zip(calls, flights):
+            flight.request_id = self._submit_call(call)
+
+    def _take_round_ahead(self) -> dict[str, float]:
+        """The results of the partial round generating ahead into the pool (each call's samples a segment of
+        the version that generated it, also after an engine restart generated it again), unless a checkpoint
+        took them already (a collective: every rank makes the same calls). Returns its overlap timing."""
+        ahead = self.round_ahead
+        while ahead.calls:
+            call, flight = ahead.calls.pop(0), ahead.flights.pop(0)
+            samples = self._generate(call.prompts, call.samples_per_prompt, call.params, flight=flight)
+            call.apply(samples, flight.version - 1, self.in_flight.max_new_tokens)
+            ahead.taken.append(flight)
+        return overlap_timing(*ahead.taken)
 
     def train_step(self) -> dict[str, float]:
         """One GSPO step, the paper's order: 1-2 rollout of G samples per prompt and their rewards; 3 group
@@ -536,7 +598,7 @@ class Trainer:
 
         t3 = time.perf_counter()
         # 7. weight sync to the rollout engine
-        sync = self.sync_weights()
+        sync = self.sync_weights(self.step + 1)
         timings["time_sync_s"] = time.perf_counter() - t3
         metrics["sync_bytes_per_s"] = sync["sync_bytes_per_s"]
 
@@ -653,7 +715,11 @@ class Trainer:
         self.faults["engine_restarts"] += int(dead)
         return mine_dead
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, updates: int | None = None) -> dict[str, float]:
+        """Step 7: the policy's weights to the engine. ``updates``: how many RL updates they hold (default
+        ``self.step``, right between steps; a step's own sync passes ``self.step + 1``), which makes the
+        engine's weight version ``updates + 1`` (the initial sync is version 1): the version of every
+        generation submitted from now on (overlap mode's staleness, partial rollouts' segments)."""
         from gspo_megatron.rollout.weight_sync import sync_weights
 
         rebuilt = self._replace_dead_engine() if self.ahead is not None else None
@@ -671,6 +737,7 @@ class Trainer:
             # rank from generating before the servers hold them
             share_sync_report(self.engine)
         self.engine.resume_memory(["kv_cache", "cuda_graph"])
+        self.engine_version = (self.step if updates is None else updates) + 1
         if rebuilt is not None:  # the batches queued ahead are generated again, by every rank's engine
             self._resubmit_ahead(rebuilt=rebuilt)
         return stats
@@ -735,6 +802,9 @@ class Trainer:
             # the batches already generated ahead belong to the run: the resumed run consumes the same ones
             self.ahead.complete(self.engine.result)
             meta["rollout_ahead"] = self._per_dp_rank(self.ahead.state_dict())
+        if self.round_ahead is not None:  # overlap: the next step's round joins the pool it is saved with
+            self._take_round_ahead()
+            meta["partial_round_ahead"] = self.round_ahead.step
         if self.in_flight is not None:  # the partial responses in flight, continued exactly by the resumed run
             meta["partial_rollouts"] = self._per_dp_rank(self.in_flight.state_dict())
         path = ckpt.save(self._sharded_state(), self.checkpoint_dir(self.step), common=meta, overwrite=True,
@@ -808,6 +878,8 @@ class Trainer:
         self.faults.update(meta["faults"])
         self._load_rollout_ahead(meta.get("rollout_ahead"), path)
         self._load_partial_rollouts(meta.get("partial_rollouts"), path)
+        if "partial_round_ahead" in meta:  # that step's first round is in the pool already
+            self.round_ahead = RoundAhead(int(meta["partial_round_ahead"]), calls=[], flights=[])
         self.saved_step = self.step
         self.pending = {} if warm is not None else meta.get("pending")
         if "partial_step" in meta:

@@ -177,8 +177,13 @@ def test_config_fields_and_unsupported_combinations_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"^rollout\.logprobs_from: with rollout\.partial"):
         load_config(DEMO, on[:2])
     load_config(DEMO, [*on[:2], "loss.tis_mode=sequence"])  # recompute, corrected by TIS towards the behaviour
-    for field, value in (("train.rollout_mode", "overlap"), ("rollout.filter_groups", "zero_variance"),
-                         ("train.routing_replay", "r3")):
+    # overlap mode: each round is generated one update behind the step that takes it, so one more update old
+    with pytest.raises(ConfigError, match=r"^rollout\.partial_token_budget: 4 lets a response run over 2 steps, so "
+                                          r"its first tokens would be 2 updates old \(overlap mode: one more\), beyond "
+                                          r"train\.max_staleness=1: raise the budget to at least 8 or train\.max_staleness to 2$"):
+        load_config(DEMO, [*on, "train.rollout_mode=overlap", "train.max_staleness=1"])
+    assert load_config(DEMO, [*on, "train.rollout_mode=overlap", "train.max_staleness=2"]).train.max_staleness == 2
+    for field, value in (("rollout.filter_groups", "zero_variance"), ("train.routing_replay", "r3")):
         with pytest.raises(ConfigError, match="^" + re.escape(field) + r": rollout\.partial is not built for"):
             load_config(DEMO, [*on, f"{field}={value}"])
 

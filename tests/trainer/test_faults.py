@@ -105,7 +105,7 @@ def test_a_deterministic_engine_error_stops_without_restarts(tmp_path):
                        "CUDA error: an illegal memory access was encountered)")
 
 
-def overlap_engine_killed(rank, world_size, run_dir: str) -> dict:
+def overlap_engine_killed(rank, world_size, run_dir: str, extra: tuple[str, ...] = ()) -> dict:
     import os
     import signal
 
@@ -114,8 +114,9 @@ def overlap_engine_killed(rank, world_size, run_dir: str) -> dict:
 
     overrides = ["sft.steps=0", "train.steps=2", "logging.console=false", "logging.tensorboard=false",
                  "train.prompts_per_step=2", "rollout.max_new_tokens=4", "train.rollout_mode=overlap",
-                 "train.minibatches_per_step=2"]
+                 "train.minibatches_per_step=2", *extra]
     trainer = Trainer(load_config(DEMO, overrides), run_dir)
+    partial = trainer.in_flight is not None
 
     def kill_engine():  # what the OOM killer does
         os.kill(trainer.engine._process.pid, signal.SIGKILL)
@@ -133,10 +134,16 @@ def overlap_engine_killed(rank, world_size, run_dir: str) -> dict:
     try:
         trainer.train_step()  # its weight sync meets the dead engine
         trainer.step += 1
-        kill_engine()  # between steps: the next top-up meets it
+        # partial rollouts: the next step's round, generated again after the sync, by the weights of 1 update
+        resubmitted = [f.version for f in trainer.round_ahead.flights] if partial else None
+        kill_engine()  # between steps: the next top-up (partial: taking the round ahead) meets it
         metrics = trainer.train_step()
+        # partial: the first segments of step 1's fresh groups, generated again after the restart
+        first = sorted({r.segments[0].version for g in trainer.in_flight.groups if g.started == 1
+                        for r in g.responses if r.segments} if partial else ())
         return {"restarts": trainer.faults["engine_restarts"], "reward": metrics["reward_mean"],
-                "healthy": trainer.engine.healthy()}
+                "healthy": trainer.engine.healthy(), "resubmitted": resubmitted, "first": first,
+                "age": metrics.get("partial/max_token_age")}
     finally:
         trainer.close()
 
@@ -146,3 +153,17 @@ def test_a_killed_overlap_engine_process_is_restarted_and_the_run_goes_on(tmp_pa
     """The killed engine used to end the run: the failure surfaced in sync_weights, outside the restart loop."""
     result = run_distributed(overlap_engine_killed, 1, (str(tmp_path / "run"),))[0]
     assert result["restarts"] == 2 and result["healthy"] and 0.0 <= result["reward"] <= 1.0
+
+
+@pytest.mark.slow
+def test_a_killed_engine_regenerates_the_partial_round_ahead_with_the_versions_it_used(tmp_path):
+    """Partial rollouts in overlap mode: the round generating ahead is lost with the engine and generated
+    again; its segments carry the version of the weights that generated them again (engine version 2 = the
+    weights of 1 update, partial version 1), not the version it was first submitted with (the restart used
+    to label resubmissions one version older than the weights they got)."""
+    extra = ("rollout.partial=true", "rollout.partial_token_budget=2", "rollout.logprobs_from=engine",
+             "train.max_staleness=2")
+    result = run_distributed(overlap_engine_killed, 1, (str(tmp_path / "run"), extra))[0]
+    assert result["restarts"] == 2 and result["healthy"] and 0.0 <= result["reward"] <= 1.0
+    assert result["resubmitted"] == [2, 2]  # the fresh call and one continuation call (budget 2 of 4)
+    assert result["first"] == [1] and result["age"] <= 1.0

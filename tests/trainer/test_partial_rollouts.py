@@ -1,6 +1,6 @@
-"""Partial rollouts in the trainer (rollout.partial, sync mode, transformers engine): responses carried over
-steps with their weight versions, saved in checkpoints, and a SIGKILL + resume with responses in flight
-equals the uninterrupted run."""
+"""Partial rollouts in the trainer (rollout.partial; sync and overlap mode, transformers engine): responses
+carried over steps with their weight versions, saved in checkpoints, and a SIGKILL + resume with responses in
+flight (and, in overlap mode, a round generating ahead) equals the uninterrupted run."""
 import json
 import signal
 import subprocess
@@ -34,6 +34,39 @@ def test_partial_run_resumes_exactly_after_sigkill_with_responses_in_flight(tmp_
 
     assert kill_after_checkpoint(tmp_path / "split", 2, *COMMON) == -signal.SIGKILL
     resumed = train(tmp_path / "split", *COMMON, resume=True)
+    assert [m["step"] for m in resumed] == [m["step"] for m in full]
+    for a, b in zip(resumed, full):
+        for key in KEYS:
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
+OVERLAP = ["train.rollout_mode=overlap", "train.max_staleness=2"]
+
+
+@pytest.mark.slow
+def test_overlap_partial_run_resumes_exactly_after_sigkill_with_a_round_generating_ahead(tmp_path):
+    """Overlap mode: each step's first round is generated while the step before trains, so carried tokens are
+    one update older than in sync mode (2, not 1); the checkpoint takes the round generating ahead into the
+    pool it saves, and the resumed run starts its next step from that pool."""
+    full = train(tmp_path / "full", *COMMON, *OVERLAP)
+    steps = full[1:]
+    assert [m["step"] for m in full] == [0, 1, 2, 3, 4]
+    assert steps[0]["partial/max_token_age"] == 0.0  # step 0 generates its first round itself
+    assert [m["partial/max_token_age"] for m in steps[2:]] == [2.0, 2.0]
+    assert all(m["staleness"] == m["partial/max_token_age"] for m in steps)
+    assert sum(m["partial/multi_version_responses"] for m in steps) > 0
+    # the rounds of steps 1-3 ran while the steps before trained: the trainer hardly waited for them
+    assert all(0.0 <= m["overlap_hidden_frac"] <= 1.0 for m in steps[1:]) and "overlap_hidden_frac" not in steps[0]
+    saved = json.loads((tmp_path / "full" / "checkpoints" / "step_000002" / "gspo_meta.json").read_text())
+    assert saved["partial_round_ahead"] == 2
+    groups = saved["partial_rollouts"]["ranks"][0]
+    # step 2's fresh prompts are in the pool already, with the segment the weights of 1 update sampled
+    fresh = [g for g in groups if g["started"] == 2]
+    assert len(fresh) == 8 and all(r["segments"][0]["version"] == 1 for g in fresh for r in g["responses"])
+
+    assert kill_after_checkpoint(tmp_path / "split", 2, *COMMON, *OVERLAP) == -signal.SIGKILL
+    resumed = train(tmp_path / "split", *COMMON, *OVERLAP, resume=True)
     assert [m["step"] for m in resumed] == [m["step"] for m in full]
     for a, b in zip(resumed, full):
         for key in KEYS:
@@ -91,3 +124,31 @@ def test_the_sglang_engine_continues_partial_responses_with_input_ids(tmp_path):
     # step 1's extra round (no group had finished) continued one group; step 2 continues every carried one
     assert first["partial/rounds"] == 2 and len(continued) > first["partial/carried_responses"] > 0 and second["partial/multi_version_responses"] > 0
     assert second["partial/max_token_age"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_overlap_partial_run_is_the_same_at_dp2(tmp_path_factory):
+    """Partial rollouts in overlap mode at 1 process and at DP=2: each rank carries its share of the groups
+    and makes the same engine calls in every round (its own engine process), so the counts summed over
+    ranks, the rewards and the updates are those of the single process."""
+    from gspo_megatron.megatron.spawn import run_distributed
+    from tests.distributed.test_layout_runs import TOL, _train_layouts
+    from tests.trainer.test_batch_filling import LOSS_TOL
+
+    run = [*PARTIAL, *OVERLAP, "optimizer.lr=1e-4", "train.prompts_per_step=8", "eval.pass_k=1"]
+    runs = {world: run_distributed(_train_layouts, world, (str(tmp_path_factory.mktemp(f"partial{world}")),
+                                                            {"run": run}, 3), timeout_s=880)[0]["run"]
+            for world in (1, 2)}
+    one, two = runs[1], runs[2]
+    assert [m["step"] for m in one] == [m["step"] for m in two] == [0, 1, 2, 3]
+    assert one[-1]["partial/max_token_age"] == 2.0 and sum(m["partial/multi_version_responses"] for m in one[1:]) > 0
+    for a, b in zip(one, two):
+        for key in ("reward_mean", "accuracy", "eval_accuracy", "response_length_mean", "partial/groups_trained",
+                    "partial/carried_responses", "partial/carried_tokens", "partial/max_token_age",
+                    "partial/multi_version_responses", "partial/rounds"):
+            if key in a:
+                assert a[key] == b[key], (a["step"], key)
+        for key, tol in {**TOL, **LOSS_TOL}.items():
+            if key in a:
+                assert a[key] == pytest.approx(b[key], **tol), (a["step"], key)
