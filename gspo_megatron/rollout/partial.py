@@ -25,6 +25,11 @@ Bounds. A response gets ``budget`` tokens in every step it is in flight, so it e
 config requires this to be <= ``train.max_staleness`` (``PartialRollouts.take_finished`` checks every
 token). The pool holds at most that many steps' prompts.
 
+Overlap mode. A round is planned (``plan_round``: its engine calls) before it is generated, so the
+trainer can submit a step's first round while the step before trains and apply its samples a step later
+(``RoundCall.apply``, at the version that generated them): one update more per token, so the bound is
+``steps_in_flight(max_new_tokens, budget)`` there.
+
 Sampling. A fresh group's first segment is sampled exactly as without partial rollouts (the step's seed, G
 samples per prompt, the prompt's global index), cut at ``budget`` tokens. A continuation is one row per
 response, seeded by ``continuation_seed(step seed, round)`` and the response's own ``uid``. The calls of a
