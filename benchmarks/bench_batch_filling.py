@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -46,6 +47,11 @@ ARMS = {
     "plain_engine": ["rollout.logprobs_from=engine"],
     "partial": ["rollout.logprobs_from=engine", "rollout.partial=true"],
     "partial_wide": ["rollout.logprobs_from=engine", "rollout.partial=true"],
+    # overlap mode (the next batch generated while the trainer updates), without and with partial rollouts;
+    # with them each token is one update older, so the first budget runs at train.max_staleness 2
+    "overlap_engine": ["rollout.logprobs_from=engine", "train.rollout_mode=overlap"],
+    "partial_overlap": ["rollout.logprobs_from=engine", "rollout.partial=true", "train.rollout_mode=overlap",
+                        "train.max_staleness=2"],
 }
 COMMON = ["logging.console=false", "logging.tensorboard=false", "checkpoint.every_steps=0"]
 
@@ -114,6 +120,8 @@ def run(tasks: list[str], arms: list[str], out: Path, results: Path) -> dict:
                 continue
             overrides = ARMS[arm] + task_overrides(arm, spec)
             run_dir = out / task / arm
+            if run_dir.exists():  # an arm not in the results (other settings, or stopped before it finished)
+                shutil.rmtree(run_dir)
             wall = train(spec["config"], run_dir, spec["rl"] + overrides, init_from=init)
             records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             entry["arms"][arm] = {"overrides": overrides, "wall_s": wall,
