@@ -17,7 +17,11 @@ pytestmark = pytest.mark.slow
 RUN = [*TINY, "sft.steps=4", "train.steps=2", "eval.every_steps=1", "eval.pass_k=2", "checkpoint.every_steps=1",
        "train.measure_routing_drift=false", "train.preemption_grace_s=0.001"]
 # measured per run, not compared: wall-clock times and rates
-VOLATILE = ("time_", "tokens_per_s", "sync_bytes_per_s", "reward/time_s", "overlap/")
+VOLATILE = ("time_", "tokens_per_s", "sync_bytes_per_s", "reward/time_s", "overlap_hidden_frac")
+# partial rollouts in overlap mode: a stop also finds a round generating ahead (budget 2 of 4 tokens)
+MODES = {"sync": [], "partial_overlap": ["rollout.partial=true", "rollout.partial_token_budget=2",
+                                         "rollout.logprobs_from=engine", "train.rollout_mode=overlap",
+                                         "train.max_staleness=2"]}
 
 
 def _signal_at(where: str) -> None:
@@ -46,11 +50,11 @@ def _signal_at(where: str) -> None:
         after_call(Trainer, "rollout", lambda self, n, a, k: self.step == 1 and a[3] == 0.0)
 
 
-def _train(rank, world_size, run_dir: str, where: str | None, resume: bool) -> str:
+def _train(rank, world_size, run_dir: str, where: str | None, resume: bool, mode: str = "sync") -> str:
     from gspo_megatron.trainer.config import load_config
     from gspo_megatron.trainer.loop import Trainer
 
-    overrides = RUN + (["parallel.expert_parallel=2"] if world_size == 2 else [])
+    overrides = RUN + MODES[mode] + (["parallel.expert_parallel=2"] if world_size == 2 else [])
     if where is not None and rank == 0:
         _signal_at(where)
     trainer = Trainer(load_config(DEMO, overrides), run_dir, resume=resume)
@@ -67,14 +71,15 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 # one process: two cost minutes more on a loaded CI machine (run_distributed(..., 2) works the same way)
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("world_size", [1])
-def test_stopped_in_every_phase_and_resumed_logs_what_the_uninterrupted_run_logs(tmp_path, world_size):
+def test_stopped_in_every_phase_and_resumed_logs_what_the_uninterrupted_run_logs(tmp_path, world_size, mode):
     reference = tmp_path / "reference"
-    assert run_distributed(_train, world_size, (str(reference), None, False)) == ["None"] * world_size
+    assert run_distributed(_train, world_size, (str(reference), None, False, mode)) == ["None"] * world_size
     run_dir = tmp_path / "stopped"
     stops = []
     for n, where in enumerate(["warm start", "mini-batch", "evaluation", None]):
-        stops.append(run_distributed(_train, world_size, (str(run_dir), where, n > 0))[0])
+        stops.append(run_distributed(_train, world_size, (str(run_dir), where, n > 0, mode))[0])
         meta = json.loads((max((run_dir / "checkpoints").glob("step_*")) / "gspo_meta.json").read_text())
         if where == "warm start":
             assert meta["step"] == 0 and meta["warm_start"] == {"step": 2}
@@ -84,6 +89,8 @@ def test_stopped_in_every_phase_and_resumed_logs_what_the_uninterrupted_run_logs
                 f"partial_step_rank{r:05d}.pt" for r in range(world_size)]
         if where == "evaluation":
             assert meta["step"] == 1 and "reward_mean" in meta["pending"] and "eval_accuracy" not in meta["pending"]
+        if mode == "partial_overlap" and where is not None:  # the next step's round, taken into the pool
+            assert meta.get("partial_round_ahead") == (None if where == "warm start" else meta["step"]), where
     assert stops == ["SIGTERM", "SIGTERM", "SIGTERM", "None"]
     got, want = _metrics(run_dir), _metrics(reference)
     assert [m["step"] for m in got] == [0, 1, 2]
