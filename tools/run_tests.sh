@@ -26,10 +26,11 @@ PY312_SUBSET=(
   tests/trainer/test_train_e2e.py::test_short_run_then_resume_matches_uninterrupted
 )
 
-# Real servers start once per test class (35-170 s each, ~3.7 GB; at most two at a time).
+# Real servers start once per test class or file (35-170 s each, ~3.7 GB; at most two at a time).
 SGLANG_SUBSET=(
   tests/rollout/test_sglang_cpu_server.py
   tests/trainer/test_sglang_cpu_train.py
+  tests/rollout/test_sglang_cpu_partial.py
 )
 
 legs=${GSPO_LEGS:-py311 py312 sglang}

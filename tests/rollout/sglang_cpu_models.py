@@ -5,6 +5,7 @@ which ``tools/run_tests.sh`` sets to the venv ``tools/setup_env.sh sglang`` keep
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -86,5 +87,15 @@ def hf_logprobs(model_dir: Path, prompt: list[int], response: list[int], *, temp
     return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
+def server_processes(port: int | str) -> list[str]:
+    """PIDs of the processes whose command line holds ``--port <port>`` (a server's, pgrep -f). pgrep's own
+    errors raise: the pattern once went to pgrep without ``--``, which read it as an unknown option and
+    printed no PID, so a check for processes left behind passed without looking."""
+    proc = subprocess.run(["pgrep", "-f", "--", f"--port {port}( |$)"], capture_output=True, text=True)
+    if proc.returncode not in (0, 1):  # 1: none matched
+        raise RuntimeError(f"pgrep exited {proc.returncode}: {proc.stderr.strip()}")
+    return proc.stdout.split()
+
+
 __all__ = ["CONTEXT", "EOS", "SGLANG_PYTHON", "VOCAB", "cpu_launch", "free_port_block", "hf_logprobs",
-           "launch_engine", "needs_sglang", "save_model"]
+           "launch_engine", "needs_sglang", "save_model", "server_processes"]

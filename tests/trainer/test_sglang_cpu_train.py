@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.rollout.sglang_cpu_models import SGLANG_PYTHON, free_port_block, needs_sglang
+from tests.rollout.sglang_cpu_models import SGLANG_PYTHON, free_port_block, needs_sglang, server_processes
 
 import pytest
 
@@ -37,5 +37,5 @@ def test_demo_trains_against_a_launched_cpu_server(tmp_path):
     # the server started from the trainer's model config (dummy weights) and stopped with the run
     assert json.loads((tmp_path / "model" / "config.json").read_text())["num_experts"] == 4
     assert (tmp_path / "logs" / f"sglang-127.0.0.1-{port}.log").read_text().count("===== start") == 1
-    left = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True).stdout.split()
+    left = server_processes(port)
     assert not left, f"server processes left after the run: {left}"
