@@ -106,9 +106,35 @@ def _cpu_storage_by_file_name() -> Iterator[None]:
     before = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
+        _start_shm_manager_without_stderr()
         yield
     finally:
         torch.multiprocessing.set_sharing_strategy(before)
+
+
+_shm_manager = {"started": False}
+
+
+def _start_shm_manager_without_stderr() -> None:
+    """Start torch's ``torch_shm_manager`` (once per process) with its stderr on /dev/null.
+
+    torch starts that daemon at the first ``file_system`` share, and it inherits the process's stderr; it
+    exits only when every process that mapped our shared memory has exited. An SGLang server attached by
+    URL outlives the trainer, so the daemon would keep the trainer's stderr open after it exited: a pipe
+    (``gspo-megatron train ... 2>&1 | tee``, ``subprocess.run(capture_output=True)``) would wait for the
+    server to stop. Sharing one tiny storage with fd 2 pointed at /dev/null starts it quietly; later shares
+    reuse it. (For the moment of that share, this process's own stderr output is lost too.)"""
+    if _shm_manager["started"]:
+        return
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        torch.empty(1).share_memory_()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+    _shm_manager["started"] = True
 
 
 def deserialize_named_tensors(payload: str) -> NamedTensors:

@@ -173,14 +173,11 @@ def test_the_demo_trains_with_partial_rollouts_on_the_server(server, versions, t
     weights before the first rollout). Launching and stopping a server from the trainer is
     tests/trainer/test_sglang_cpu_train.py's; here the partial responses are the point.
 
-    Disk sync, not the demo's tensor sync: a trainer that shares CPU tensors starts torch's
-    torch_shm_manager, which holds the trainer's stderr and lives until every process that opened the
-    shared memory has exited, here the attached server, so the trainer's exit would not end this
-    subprocess.run (docs/rollout.md, "SGLang on CPU")."""
+    The demo's tensor sync: the trainer shares CPU tensors with a server that outlives it, so torch's
+    torch_shm_manager lives on after the trainer; this subprocess.run returning shows it no longer holds
+    the trainer's stderr (it used to, until the server stopped: docs/rollout.md, "SGLang on CPU")."""
     url = server.slots[0].url
-    overrides = ["rollout.sglang.launch=null", f"rollout.sglang.urls=[{url}]", "rollout.sglang.weight_sync=disk",
-                 f"rollout.sglang.disk_dir={tmp_path / 'sync'}", f"rollout.sglang.disk_config_dir={versions[0]}",
-                 "rollout.partial=true", "rollout.partial_token_budget=4", "rollout.logprobs_from=engine",
+    overrides = ["rollout.sglang.launch=null", f"rollout.sglang.urls=[{url}]", "rollout.partial=true", "rollout.partial_token_budget=4", "rollout.logprobs_from=engine",
                  "train.steps=3", "sft.steps=20", "eval.every_steps=0", "checkpoint.every_steps=0",
                  "logging.console=false", "logging.tensorboard=false"]
     cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(DEMO),

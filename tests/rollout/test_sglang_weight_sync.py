@@ -2,8 +2,11 @@
 sglang_for_rl.md), IPC serialization, disk checkpoints, and the broadcast group over gloo with a process
 that joins the way SGLang's init_custom_process_group does (a stand-in for a server GPU, not SGLang)."""
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -125,3 +128,46 @@ def test_broadcast_group_reaches_a_process_joined_like_sglang(tmp_path):
     got = torch.load(tmp_path / "got.pt")
     for name, tensor in tensors:
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor)
+
+
+_SHARER = """
+import subprocess, sys, torch
+from gspo_megatron.rollout.sglang_weight_sync import serialize_named_tensors
+payload = serialize_named_tensors([("w", torch.arange(4.0))])
+open(sys.argv[1] + "/payload", "w").write(payload)
+# not our child (its own session) and mapping our shared memory after we exit: an attached server
+holder = subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[1]], start_new_session=True,
+                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+open(sys.argv[1] + "/holder.pid", "w").write(str(holder.pid))
+while not __import__("os").path.exists(sys.argv[1] + "/mapped"):
+    __import__("time").sleep(0.05)
+print("shared", flush=True)
+"""
+_HOLDER = """
+import os, sys, time
+from gspo_megatron.rollout.sglang_weight_sync import deserialize_named_tensors
+tensors = deserialize_named_tensors(open(sys.argv[1] + "/payload").read())
+open(sys.argv[1] + "/mapped", "w").write(str(float(tensors[0][1].sum())))
+while not os.path.exists(sys.argv[1] + "/release"):
+    time.sleep(0.05)
+"""
+
+
+def test_a_cpu_tensor_share_leaves_no_process_holding_the_senders_stderr(tmp_path):
+    """torch's torch_shm_manager (started at the first file_system share) lives while any process maps the
+    shared memory, and used to inherit the sender's stderr: after a trainer that synced CPU tensors to an
+    attached server exited, a pipe on its stderr stayed open until the server stopped (`| tee` waited; met
+    by tests/rollout/test_sglang_cpu_partial.py). The sender here exits while another session still maps
+    its tensor; reading its output to the end must not wait for that process."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _SHARER, str(tmp_path), _HOLDER], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0 and proc.stdout == "shared\n", proc.stderr[-2000:]
+        assert (tmp_path / "mapped").read_text() == "6.0"
+    finally:
+        (tmp_path / "release").write_text("")  # the holder exits, and the shm manager after it
+        if (tmp_path / "holder.pid").exists():
+            pid = int((tmp_path / "holder.pid").read_text())
+            time.sleep(0.5)
+            if os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)
