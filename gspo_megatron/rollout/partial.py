@@ -212,24 +212,24 @@ class PartialRollouts:
         call per ``continuation_lengths`` entry. The same number of calls on every rank, empty or not (each
         is an engine call every rank joins). Overlap mode submits them ahead and applies them a step later."""
         unfinished = [g for g in self.groups if not g.done and (only is None or g.key in only)]
-        running = [r for g in unfinished for r in g.responses if r.finish_reason is None and len(r) > 0]
+        running = [(g, r) for g in unfinished for r in g.responses if r.finish_reason is None and len(r) > 0]
         calls = []
         if round_index == 0:
             fresh = [g for g in self.groups if all(len(r) == 0 and r.finish_reason is None for r in g.responses)]
             first = dataclasses.replace(params, max_new_tokens=min(self.budget, self.max_new_tokens))
             calls.append(RoundCall([r for g in fresh for r in g.responses], [list(g.prompt.prompt_ids) for g in fresh],
                                    self.G, first))
-        prompts = {r.uid: list(g.prompt.prompt_ids) for g in unfinished for r in g.responses}
         seed = continuation_seed(params.seed, round_index)
         lengths = continuation_lengths(self.max_new_tokens, self.budget)
-        rows = {n: [r for r in running if min(self.budget, self.max_new_tokens - len(r)) == n] for n in lengths}
+        rows = {n: [(g, r) for g, r in running if min(self.budget, self.max_new_tokens - len(r)) == n] for n in lengths}
         if sum(map(len, rows.values())) != len(running):  # an engine returned fewer tokens than asked, no stop
             raise RuntimeError(f"partial rollouts: responses in flight hold no multiple of "
                                f"rollout.partial_token_budget={self.budget} tokens")
-        for n, responses in rows.items():
-            call = dataclasses.replace(params, seed=seed, prompt_offset=0, prompt_indices=[r.uid for r in responses],
+        for n, pairs in rows.items():
+            call = dataclasses.replace(params, seed=seed, prompt_offset=0, prompt_indices=[r.uid for _, r in pairs],
                                        max_new_tokens=n)
-            calls.append(RoundCall(responses, [prompts[r.uid] + r.token_ids for r in responses], 1, call))
+            calls.append(RoundCall([r for _, r in pairs], [list(g.prompt.prompt_ids) + r.token_ids for g, r in pairs],
+                                   1, call))
         return calls
 
     def counts(self) -> tuple[int, int]:

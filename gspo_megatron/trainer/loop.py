@@ -340,8 +340,7 @@ class Trainer:
         for k, prompt in enumerate(mine):
             group = slice(k * samples_per_prompt, (k + 1) * samples_per_prompt)
             local.append((prompt, samples[group], rewards[group], correct[group]))
-        parts = [None] * self.dp_size
-        dist.all_gather_object(parts, (local, reward_metrics), group=self.policy.groups.data_parallel)
+        parts = self._dp_parts((local, reward_metrics))
         gathered = [item for part, _ in parts for item in part]
         merged_metrics: dict[str, float] = {}
         for _, m in parts:
@@ -506,11 +505,15 @@ class Trainer:
         counts = {**dict(zip(sums, totals.tolist())), "partial/max_token_age": float(age), "partial/rounds": float(rounds)}
         return batch, reward_metrics, int(age), {**counts, **timing}
 
-    def _gather_lists(self, mine: list) -> list:
-        """Every data-parallel rank's ``mine``, concatenated in rank order (a collective)."""
+    def _dp_parts(self, mine) -> list:
+        """Every data-parallel rank's ``mine`` (plain data), in rank order (a collective)."""
         parts = [None] * self.dp_size
         dist.all_gather_object(parts, mine, group=self.policy.groups.data_parallel)
-        return [item for part in parts for item in part]
+        return parts
+
+    def _gather_lists(self, mine: list) -> list:
+        """Every data-parallel rank's ``mine``, concatenated in rank order (a collective)."""
+        return [item for part in self._dp_parts(mine) for item in part]
 
     def _oldest_unfinished(self, n: int) -> set[tuple[int, int]]:
         """The keys of the ``n`` oldest unfinished groups over all data-parallel ranks (a collective), so an
@@ -893,9 +896,7 @@ class Trainer:
 
     def _per_dp_rank(self, state: list) -> dict:
         """Each data-parallel rank's ``state`` (plain data) for the checkpoint's metadata (a collective)."""
-        parts = [None] * self.dp_size
-        dist.all_gather_object(parts, state, group=self.policy.groups.data_parallel)
-        return {"dp_size": self.dp_size, "ranks": parts}
+        return {"dp_size": self.dp_size, "ranks": self._dp_parts(state)}
 
     def _my_part(self, saved: dict | None, path: Path, what: str, holder, setting: str) -> list | None:
         """This rank's part of ``_per_dp_rank`` data in a checkpoint (None: nothing saved); ``holder`` None
