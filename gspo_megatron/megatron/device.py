@@ -23,10 +23,21 @@ import torch
 HOST = torch.device("cpu")
 
 
+def cuda_present() -> bool:
+    """Whether this process has a CUDA device: the one question every device branch in the package asks.
+
+    The rule (docs/gpu.md, "One configuration for both devices"): what Megatron-Core is configured with
+    (process groups, optimizer, DDP, distributed optimizer, checkpoint format) never depends on the answer,
+    so the CPU tests take the GPU's branches. A caller branches only where CUDA itself is what differs (a
+    device to place tensors on, NCCL, a kernel that needs CUDA streams), and its comment says which;
+    ``tests/megatron/test_device_rule.py`` holds the list and fails on a new branch."""
+    return torch.cuda.is_available()
+
+
 def compute_device() -> torch.device:
     """The device forwards, losses and device-side collectives run on: the current CUDA device (set from
     LOCAL_RANK by ``parallel.init_process_group``), else the CPU."""
-    if torch.cuda.is_available():
+    if cuda_present():  # device branch: placement is what differs
         return torch.device("cuda", torch.cuda.current_device())
     return HOST
 

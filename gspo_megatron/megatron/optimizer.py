@@ -10,9 +10,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.typed_config import check
+from gspo_megatron.megatron.device import cuda_present
+from gspo_megatron.typed_config import ConfigError, check
 
 
+HOST_DEVICE = torch.device("cpu")
 PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -30,6 +32,9 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    # fraction of the fp32 main weights and both Adam moments kept and stepped on the host (megatron-core's
+    # optimizer_cpu_offload / optimizer_offload_fraction); needs parallel.distributed_optimizer
+    cpu_offload_fraction: float = 0.0
 
     def validate(self, path: str) -> None:
         check(self.lr > 0, f"{path}.lr", f"must be > 0, got {self.lr}")
@@ -43,6 +48,8 @@ class OptimizerConfig:
         for name in ("adam_beta1", "adam_beta2"):
             check(0 <= getattr(self, name) < 1, f"{path}.{name}", f"must be in [0, 1), got {getattr(self, name)}")
         check(self.adam_eps > 0, f"{path}.adam_eps", f"must be > 0, got {self.adam_eps}")
+        check(0.0 <= self.cpu_offload_fraction <= 1.0, f"{path}.cpu_offload_fraction",
+              f"must be in [0, 1], got {self.cpu_offload_fraction}")
 
 
 def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, precision: str = "fp32"):
@@ -56,13 +63,22 @@ def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, pr
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from gspo_megatron.megatron.parallel import CREATE_GLOO_PROCESS_GROUPS
+
+    if optim.cpu_offload_fraction > 0 and not distributed_optimizer:
+        raise ConfigError("optimizer.cpu_offload_fraction: needs parallel.distributed_optimizer: true "
+                          "(megatron-core offloads the distributed optimizer's shards)")
+    offload = optim.cpu_offload_fraction > 0
     optimizer = get_megatron_optimizer(
         MegatronOptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                                 adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                                 clip_grad=optim.clip_grad, params_dtype=PARAMS_DTYPES[precision],
                                 bf16=precision == "bf16", fp16=precision == "fp16",
-                                use_distributed_optimizer=distributed_optimizer),
-        [ddp])
+                                use_distributed_optimizer=distributed_optimizer,
+                                optimizer_cpu_offload=offload, optimizer_offload_fraction=optim.cpu_offload_fraction,
+                                # pinned host buffers need a CUDA context: CPU tensors are host memory already
+                                pin_cpu_grads=offload and cuda_present(), pin_cpu_params=offload and cuda_present()),
+        [ddp], use_gloo_process_groups=CREATE_GLOO_PROCESS_GROUPS)
     if precision == "fp16":
         ddp.config.grad_scale_func = optimizer.scale_loss
     decay_steps = max(optim.decay_steps, optim.warmup_steps + 1)
@@ -74,12 +90,98 @@ def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, pr
         # a resume with changed optimizer.* settings applies them (trainer/resume.py): the schedule's
         # values come from the config, only its step count from the checkpoint
         override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
-    if not torch.cuda.is_available():
-        # Without apex/TE Megatron uses torch.optim.AdamW, which on CPU defaults to a per-tensor loop;
-        # its fused CPU kernel computes the same update in one pass (the GPU path uses TE/apex fused Adam).
-        for group in optimizer.param_groups:
+    for inner in _torch_adams(optimizer):
+        # Without apex/TE Megatron steps with torch.optim.AdamW, a per-tensor loop by default; its fused
+        # kernel (CPU and CUDA) computes the same update in one pass. Decided by the optimizer Megatron
+        # built, not by the device (with TE/apex the inner optimizer is their fused Adam already).
+        for group in inner.param_groups:
             group["fused"] = True
+    for chained in _distributed_with_torch_adam(optimizer):
+        _keep_step_when_loading(chained)
     return optimizer, scheduler
+
+
+def _chained(optimizer) -> list:
+    """The optimizers a (possibly) ChainedOptimizer holds: one per parameter kind (dense, expert)."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    return optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+
+
+def _torch_adams(optimizer) -> list[torch.optim.Optimizer]:
+    """The inner torch Adam/AdamW optimizers under Megatron's wrappers (none with TE/apex fused Adam or
+    the CPU-offloading HybridDeviceOptimizer)."""
+    inner = [chained.optimizer for chained in _chained(optimizer)]  # None for a stub (no parameters)
+    return [o for o in inner if isinstance(o, (torch.optim.Adam, torch.optim.AdamW))]
+
+
+def _distributed_with_torch_adam(optimizer) -> list:
+    """The DistributedOptimizers that step with a torch Adam/AdamW (megatron-core's no-apex/TE branch)."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    return [chained for chained in _chained(optimizer) if isinstance(chained, DistributedOptimizer)
+            and isinstance(chained.optimizer, (torch.optim.Adam, torch.optim.AdamW))]
+
+
+def _distributed_torch_adams(optimizer) -> list[torch.optim.Optimizer]:
+    return [chained.optimizer for chained in _distributed_with_torch_adam(optimizer)]
+
+
+def _keep_step_when_loading(distributed) -> None:
+    """Let ``distributed`` (a DistributedOptimizer over torch Adam) load its parameter state.
+
+    Why: megatron-core 0.16.1 loads every sharding type through ``_set_main_param_and_optimizer_states``,
+    which copies each key of the live Adam state from the loaded tensors; the loaders leave torch's ``step``
+    out of those tensors (it comes from the common state, ``load_state_dict`` ~825) while the live state
+    has it, so the copy raises ``KeyError: 'step'`` (``distrib_optimizer.py`` ~940). The step keeps the
+    value ``load_state_dict`` just gave it: it is copied onto itself."""
+    original = distributed._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        live = distributed._get_main_param_and_optimizer_states(model_param)
+        if "step" in live and "step" not in tensors:
+            tensors = {**tensors, "step": live["step"]}
+        original(model_param, tensors)
+
+    distributed._set_main_param_and_optimizer_states = set_states
+
+
+def allocate_adam_state(optimizer) -> None:
+    """Give the distributed optimizer's inner torch Adam its per-parameter state before a checkpoint is
+    saved or loaded, as torch would allocate it at the first step (step 0, zero moments: the next update
+    is the same as from no state).
+
+    Why: megatron-core 0.16.1 ``DistributedOptimizer.state_dict`` without apex/TE reads the step count from
+    the inner optimizer's state and asserts it is a single value (``distrib_optimizer.py`` ~640). A freshly
+    built optimizer has no state, so the template a resume loads into cannot be made (issue 40, defect 0);
+    ``load_state_dict`` then keeps this state and overwrites it in place."""
+    for inner in _distributed_torch_adams(optimizer):
+        for group in inner.param_groups:
+            # torch.optim.AdamW._init_group (torch 2.13): a 0-d float32 step, on the parameter's device
+            # for the fused / capturable kernels, on the host otherwise
+            on_param = group["fused"] or group["capturable"]
+            for p in group["params"]:
+                if inner.state[p]:
+                    continue
+                inner.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device if on_param else HOST_DEVICE),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                if group["amsgrad"]:
+                    inner.state[p]["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def separate_adam_steps(optimizer) -> None:
+    """After a checkpoint load, give each parameter its own step tensor.
+
+    Why: megatron-core 0.16.1 ``DistributedOptimizer.load_state_dict`` without apex/TE assigns one step
+    tensor to every parameter's state (``s["step"] = step``, ``distrib_optimizer.py`` ~825), and torch's
+    ``load_state_dict`` keeps it shared. AdamW increments each parameter's step in place, so a shared
+    tensor advances once per parameter per update and the bias correction of a resumed run is wrong."""
+    for inner in _distributed_torch_adams(optimizer):
+        for state in inner.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
 
 
 # megatron-core releases whose ChainedOptimizer.step ``clip_and_step`` follows line for line (0.19 adds

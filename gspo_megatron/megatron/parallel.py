@@ -10,13 +10,19 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.megatron import cpu_runtime
-from gspo_megatron.megatron.device import process_group_backend
+from gspo_megatron.megatron.device import cuda_present, process_group_backend
 from gspo_megatron.typed_config import ConfigError, check
 
 
 # Transformer Engine's context-parallel attention algorithms (Megatron's TransformerConfig.cp_comm_type);
 # "a2a+p2p" also needs Megatron's hierarchical CP groups, which initialize_model_parallel does not create
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+# Megatron's separate gloo process groups: one flag for initialize_model_parallel and get_megatron_optimizer
+# (megatron-core 0.16.1: with the groups absent, an optimizer built with use_gloo_process_groups=True asks
+# parallel_state.get_data_parallel_group_gloo(..., partial_data_parallel=True) and asserts "Intra partial
+# data parallel group is not initialized"; Megatron-LM passes one enable_gloo_process_groups to both).
+CREATE_GLOO_PROCESS_GROUPS = False
 
 
 @dataclasses.dataclass
@@ -91,7 +97,8 @@ class ParallelConfig:
 
 
 def default_backend() -> str:
-    return process_group_backend(torch.cuda.is_available())
+    # device branch: a CPU build of torch has no NCCL; either way host tensors go over gloo
+    return process_group_backend(cuda_present())
 
 
 def init_process_group(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
@@ -102,7 +109,7 @@ def init_process_group(rank: int, world_size: int, master_addr: str = "127.0.0.1
         return
     os.environ.setdefault("MASTER_ADDR", master_addr)
     os.environ.setdefault("MASTER_PORT", str(master_port))
-    if torch.cuda.is_available():
+    if cuda_present():  # device branch: NCCL binds each rank to its GPU before the group exists
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     dist.init_process_group(backend=default_backend(), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -126,7 +133,10 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
         context_parallel_size=parallel.context_parallel,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
-        create_gloo_process_groups=not torch.cuda.is_available(),
+        # The same on both devices (docs/gpu.md, "One configuration"): no extra gloo copies of Megatron's
+        # groups. On CPU the default groups are gloo already; on GPU host tensors take the default group's
+        # gloo side (``cpu:gloo,cuda:nccl``). build_optimizer passes the matching use_gloo_process_groups.
+        create_gloo_process_groups=CREATE_GLOO_PROCESS_GROUPS,
     )
     # Megatron seeds the default stream through torch.cuda.manual_seed, a silent no-op on a CPU build;
     # the CPU generator drives initialisation there, so seed it too (same seed on every rank, as Megatron's

@@ -22,7 +22,7 @@ from gspo_megatron.algorithms.layout import LossNormalisers, padded_batch
 from gspo_megatron.algorithms.metrics import finalize_metrics, merge_metrics, METRICS
 from gspo_megatron.algorithms.policy import policy_loss
 from gspo_megatron.batching import TrainSequence, collate, pack_microbatches, present_fields
-from gspo_megatron.megatron import sharding
+from gspo_megatron.megatron import optimizer as optimizer_module, sharding
 from gspo_megatron.megatron.context_parallel import (cp_pad_multiple, cp_reduce_sequence_sums, gather_from_cp,
                                                      split_microbatch)
 from gspo_megatron.megatron.device import to_device, to_host
@@ -564,6 +564,7 @@ class PolicyModel:
         model; the optimizer state reshards across DP). ``is_loading`` makes the optimizer allocate its
         (lazily created) Adam state first, so the load has somewhere to put it."""
         model_state = sharding.sharded_state_dict(self.module, prefix="model.")  # loads into either spec
+        optimizer_module.allocate_adam_state(self.optimizer)  # a fresh distributed optimizer has none
         # Name optimizer tensors by their parameters only (no "chained_N." prefix for the dense/expert
         # optimizer pair that EP creates) and, for the distributed optimizer, in a fully reshardable
         # format: the optimizer state then loads at another TP/EP/DP layout like the weights do.
@@ -577,6 +578,7 @@ class PolicyModel:
     def load_sharded_state_dict(self, state: dict) -> None:
         sharding.load_module_state(self.module, state["model"], prefix="model.")
         self.optimizer.load_state_dict(state["optimizer"])
+        optimizer_module.separate_adam_steps(self.optimizer)
         # the loaded parameter groups carry the checkpoint's settings: the config's are in effect (a resume
         # applies changed optimizer.* settings, trainer/resume.py). The scheduler sets each group's lr from
         # its max_lr / min_lr, and takes the config's schedule too (override_opt_param_scheduler).
