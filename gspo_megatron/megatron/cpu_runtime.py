@@ -3,8 +3,8 @@
 Megatron-Core assumes CUDA in a handful of places. On a machine without CUDA, ``activate()`` applies the
 smallest set of patches that lets the *real* parallel code (tensor, sequence, pipeline, expert and data
 parallelism, DDP, the optimizer, dist_checkpointing) run on CPU tensors. Each patch below says what breaks
-and why the substitute is faithful. On a GPU ``activate()`` does nothing, and the Transformer Engine spec,
-the alltoall dispatcher and fused kernels are used instead (see ``megatron/model.py``).
+and why the substitute is faithful. On a GPU ``activate()`` does nothing, and the Transformer Engine spec
+and fused kernels are used instead (see ``megatron/model.py``); the alltoall dispatcher runs on both.
 
 ``PATCHES_BY_VERSION`` lists, per megatron-core version the patches were checked against, which patches
 that version needs; on any other version ``activate()`` refuses with a clear error naming the supported
@@ -19,6 +19,8 @@ import types
 from typing import Any, Callable
 
 import torch
+
+from gspo_megatron.megatron.device import cuda_present
 
 # Modules that build tensors with a literal ``device="cuda"`` (or call ``.cuda()``) on the code paths we
 # use, with the reason each one is on the path.
@@ -199,8 +201,54 @@ def _patch_tensor_type() -> None:
     torch.Tensor.type = tensor_type
 
 
-def _patch_current_stream() -> None:
-    torch.cuda.current_stream = torch.cpu.current_stream
+class _HostStream:
+    """The one CPU "stream": CPU work runs in program order, so waits, events and stream switches are
+    no-ops. Every ``torch.cuda.Stream()`` is this one object and so is ``torch.cuda.current_stream()``:
+    code that compares them (the alltoall dispatcher's ``on_side_stream``) sees no side stream and never
+    calls ``record_stream``, which CPU tensors lack."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> "_HostStream":
+        return self  # an event that has always completed
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _patch_cuda_streams() -> None:
+    torch.cuda.Stream = lambda *args, **kwargs: _HOST_STREAM
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+def _host_split_sizes(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's ``maybe_move_tensor_to_cpu`` as a GPU run sees it: the result is on the host, and a
+    NumPy array when ``as_numpy`` (the all-to-all split sizes). The original converts only CUDA tensors,
+    so on CPU the split sizes stayed tensors, which ``all_to_all_single`` refuses."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
+def _patch_alltoall_split_sizes() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    if token_dispatcher.__dict__.get("maybe_move_tensor_to_cpu") is None:
+        raise RuntimeError("megatron.core.transformer.moe.token_dispatcher no longer imports "
+                           "maybe_move_tensor_to_cpu; recheck the CPU runtime")
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes
 
 
 def _patch_cuda_rng_state() -> None:
@@ -251,19 +299,26 @@ PATCHES: dict[str, Patch] = {
         "the CPU one and the tracker's; a CPU build has no CUDA generator. An empty state is exact: on CPU the "
         "CPU generator and the CPU tracker, which those functions save anyway, are all the randomness there "
         "is.", _patch_cuda_rng_state),
-    "current_stream": Patch(
-        "0.19.2's _ParamAndGradBucketGroup.start_grad_sync (and finish_grad_sync with overlap) take "
-        "torch.cuda.current_stream() to wait on CUDA-graph events before reducing grads; the CPU stream "
-        "(torch.cpu.current_stream, whose waits are no-ops) is exact, since CPU work is synchronous and "
-        "no CUDA graph exists.", _patch_current_stream),
+    "cuda_streams": Patch(
+        "the alltoall token dispatcher (the one a GPU run uses: megatron/model.py) creates a torch.cuda.Stream "
+        "for its device-to-host copies of the split sizes, switches to it and synchronises on its event "
+        "(0.16.1 token_dispatcher.py ~445, ~870-900). One host stream whose waits and events are no-ops is "
+        "exact (CPU work is synchronous), and it is also torch.cuda.current_stream(), so the dispatcher sees "
+        "no side stream. 0.19.2's _ParamAndGradBucketGroup.start_grad_sync also waits on "
+        "torch.cuda.current_stream() (CUDA-graph events) before reducing grads.", _patch_cuda_streams),
+    "alltoall_split_sizes": Patch(
+        "the alltoall dispatcher moves its split sizes to the host as NumPy arrays through "
+        "maybe_move_tensor_to_cpu, which converts CUDA tensors only; on CPU they stayed tensors and "
+        "all_to_all_single refused them. The substitute converts host tensors the same way.",
+        _patch_alltoall_split_sizes),
 }
 
 _COMMON = ("current_device", "synchronize", "tensor_cuda", "literal_cuda_factories", "rng_tracker", "tensor_type",
            "cuda_rng_state")
 # Versions the patches were checked against (the test suite ran on each), and the patches each needs.
 PATCHES_BY_VERSION: dict[str, tuple[str, ...]] = {
-    "0.16.1": _COMMON + ("te_general_gemm",),
-    "0.19.2": _COMMON + ("current_stream",),
+    "0.16.1": _COMMON + ("te_general_gemm", "cuda_streams", "alltoall_split_sizes"),
+    "0.19.2": _COMMON + ("cuda_streams", "alltoall_split_sizes"),
 }
 
 
@@ -288,7 +343,8 @@ def _check_version() -> str:
 
 
 def cuda_available() -> bool:
-    return torch.cuda.is_available()
+    # device branch: this module exists to stand in for CUDA where it is absent
+    return cuda_present()
 
 
 def activate() -> bool:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from gspo_megatron.megatron import cpu_runtime
+from gspo_megatron.megatron.device import compute_device, cuda_present
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.parallel import ParallelConfig
 from gspo_megatron.typed_config import check
@@ -56,7 +57,7 @@ def transformer_engine_available() -> bool:
 def resolve_layer_spec(choice: str, cuda: bool | None = None, te_installed: bool | None = None) -> str:
     """``te`` or ``local`` for ``model.layer_spec`` ``choice`` on this machine; ``te`` where it cannot run
     is an error naming the field."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+    cuda = cuda_present() if cuda is None else cuda  # device branch: Transformer Engine needs CUDA
     te_installed = transformer_engine_available() if te_installed is None else te_installed
     if choice == "auto":
         return "te" if cuda and te_installed else "local"
@@ -93,7 +94,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtyp
     ``runtime`` (when given) sets the parameter dtype, the recomputation and the spec-dependent fusions;
     without it: ``params_dtype``, no recomputation, the spec ``auto`` resolves to.
     """
-    on_gpu = torch.cuda.is_available()
+    # device branch: CPU initialisation and the jit bias-dropout fusion need CUDA's absence / presence
+    on_gpu = cuda_present()
     runtime = runtime or ModelRuntime(precision={v: k for k, v in PRECISIONS.items()}[params_dtype])
     params_dtype = runtime.params_dtype
     te = resolve_layer_spec(runtime.layer_spec) == "te"
@@ -114,8 +116,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, params_dtyp
             moe_layer_freq=model.moe_layer_freq,  # a list keys every layer separately in checkpoints
             moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-            # alltoall creates a CUDA stream in its constructor; allgather is exact and fine at small scale.
-            moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+            # the GPU's dispatcher on both devices (the CPU runtime's host stream stands in for its CUDA stream)
+            moe_token_dispatcher_type="alltoall",
             # grouped experts are TE's TEGroupedMLP; the local spec keeps SequentialMLP
             moe_grouped_gemm=te,
             moe_router_dtype="fp32",
@@ -377,9 +379,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: torc
         from gspo_megatron.megatron import cpu_modules
 
         cpu_modules.skip_padding_in_moe_layers(gpt)
-    if torch.cuda.is_available():
-        gpt = gpt.cuda()
-    return gpt
+    return gpt.to(compute_device())
 
 
 def wrap_ddp(model, parallel: ParallelConfig, grad_reduce_in_fp32: bool = True):

@@ -76,7 +76,7 @@ def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, pr
                                 bf16=precision == "bf16", fp16=precision == "fp16",
                                 use_distributed_optimizer=distributed_optimizer,
                                 optimizer_cpu_offload=offload, optimizer_offload_fraction=optim.cpu_offload_fraction,
-                                # pinned host buffers need a CUDA context: CPU tensors are host memory already
+                                # device branch: pinned host buffers need CUDA; CPU tensors are host memory already
                                 pin_cpu_grads=offload and cuda_present(), pin_cpu_params=offload and cuda_present()),
         [ddp], use_gloo_process_groups=CREATE_GLOO_PROCESS_GROUPS)
     if precision == "fp16":

@@ -201,8 +201,8 @@ class PolicyModel:
         sequences' records (Routing Replay); padding rows and positions get placeholder experts.
 
         Expert parallelism spans DP ranks and every MoE forward is a collective over the EP group, so all
-        DP ranks must run the same number of micro-batches; the allgather dispatcher (CPU) also needs
-        equal token counts. Missing micro-batches and rows are padding (loss mask all False).
+        DP ranks must run the same number of micro-batches (shapes are aligned too, keeping per-rank work
+        equal). Missing micro-batches and rows are padding (loss mask all False).
         """
         bins = self._local_plan(seqs)
         shapes = [(len(m), max(int(seqs[i].tokens.numel()) for i in m)) for m in bins]

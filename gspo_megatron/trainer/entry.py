@@ -72,7 +72,9 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     from gspo_megatron.megatron import parallel
     from gspo_megatron.trainer.loop import Trainer
 
-    if not torch.cuda.is_available():
+    from gspo_megatron.megatron.device import cuda_present
+
+    if not cuda_present():  # device branch: intra-op threads drive CPU compute only; ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(launch.local_world_size, 1)))
     if args.init_from is not None and config.sft.steps and launch.rank == 0:
         print(f"--init-from {args.init_from}: training starts from its weights; the warm start (sft.steps="

@@ -34,6 +34,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.megatron.device import cuda_present
 from gspo_megatron.rollout.sglang_config import SGLangConfig
 from gspo_megatron.rollout.sglang_engine import ColocatedSync, SGLangEngine, gather_to_leader
 from gspo_megatron.trainer.launch_env import LaunchEnv, resolve_launch
@@ -160,7 +161,8 @@ def _trainer_gpu() -> int:
 
 
 def _checked(rank: "SGLangRank", engine: SGLangEngine) -> tuple["SGLangRank", SGLangEngine]:
-    if rank.posts_weights and torch.cuda.is_available():
+    # device branch: the placement rule compares GPU indices; CPU servers share no device with the trainer
+    if rank.posts_weights and cuda_present():
         check_sync_placement(rank.cfg, engine, _trainer_gpu(), this_host_names())
     return rank, engine
 

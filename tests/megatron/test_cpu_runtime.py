@@ -79,10 +79,16 @@ def test_patches_on_cpu():
         assert schedules.torch.Tensor is torch.Tensor
         from megatron.core.transformer.moe import moe_utils
         assert moe_utils.te_general_gemm is None
-        if "current_stream" in cpu_runtime.PATCHES_BY_VERSION[cpu_runtime.megatron_core_version()]:
-            stream = torch.cuda.current_stream()  # 0.19.2's start_grad_sync waits on it
-            stream.wait_stream(stream)
-            assert isinstance(stream, torch.cpu.Stream)
+        # the alltoall dispatcher's side stream is the current stream (no record_stream on CPU tensors),
+        # its event has completed; 0.19.2's start_grad_sync waits on the current stream
+        stream = torch.cuda.Stream()
+        assert stream is torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            stream.record_event().synchronize()
+        from megatron.core.transformer.moe import token_dispatcher
+        sizes = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+        assert sizes.tolist() == [3, 1] and not torch.is_tensor(sizes)  # what all_to_all_single takes
         from megatron.core.tensor_parallel import random
         tracker = random.get_cuda_rng_tracker()
         tracker.add("a", 123)
