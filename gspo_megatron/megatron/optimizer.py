@@ -69,6 +69,12 @@ def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, pr
         raise ConfigError("optimizer.cpu_offload_fraction: needs parallel.distributed_optimizer: true "
                           "(megatron-core offloads the distributed optimizer's shards)")
     offload = optim.cpu_offload_fraction > 0
+    if offload and precision == "fp32":
+        # megatron-core 0.16.1: the distributed optimizer's fp32 shards are views of the parameters, which
+        # HybridDeviceOptimizer's torch.optim constructor refuses ("can't optimize a non-leaf Tensor");
+        # with bf16 / fp16 parameters it offloads the fp32 main copies, which is where the memory is
+        raise ConfigError("optimizer.cpu_offload_fraction: needs model.precision bf16 or fp16 (the offloaded "
+                          "state is the fp32 main weights and Adam moments of a mixed-precision model)")
     optimizer = get_megatron_optimizer(
         MegatronOptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                                 adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,

@@ -113,3 +113,31 @@ def test_the_moe_dispatcher_is_the_gpus_on_cpu():
     from gspo_megatron.megatron.parallel import ParallelConfig
 
     assert transformer_config(tiny_moe_config(), ParallelConfig()).moe_token_dispatcher_type == "alltoall"
+
+
+def _offloaded_optimizer(rank, world_size, model_config, precision, distributed):
+    from gspo_megatron.megatron.model import ModelRuntime, build_model, wrap_ddp
+    from gspo_megatron.megatron.optimizer import OptimizerConfig, build_optimizer
+    from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
+
+    parallel = ParallelConfig(distributed_optimizer=distributed)
+    initialize_model_parallel(parallel, seed=0)
+    runtime = ModelRuntime(precision=precision)
+    ddp = wrap_ddp(build_model(model_config, parallel, runtime=runtime), parallel)
+    optimizer, _ = build_optimizer(OptimizerConfig(lr=1e-2, cpu_offload_fraction=0.75), ddp, distributed,
+                                   precision=precision)
+    inner = optimizer.chained_optimizers[0].optimizer
+    return {"inner": type(inner).__name__, "fraction": inner.defaults["offload_fraction"]}
+
+
+def test_the_offloaded_optimizer_builds_for_a_bf16_model_and_refuses_what_megatron_cannot_offload():
+    """megatron-core's HybridDeviceOptimizer under the distributed optimizer (optimizer.cpu_offload_fraction).
+    Its step copies gradients from CUDA parameters to their host copies (0.16.1 hybrid_optimizer.py ~101:
+    every host parameter is assumed to be such a copy), so on CPU it builds but cannot step: stepping and
+    resuming it is the GPU check's work (docs/gpu.md)."""
+    out = run_distributed(_offloaded_optimizer, 1, (tiny_moe_config(), "bf16", True))[0]
+    assert out == {"inner": "HybridDeviceOptimizer", "fraction": 0.75}
+    with pytest.raises(Exception, match=r"optimizer.cpu_offload_fraction: needs model.precision bf16"):
+        run_distributed(_offloaded_optimizer, 1, (tiny_moe_config(), "fp32", True))
+    with pytest.raises(Exception, match=r"needs parallel.distributed_optimizer: true"):
+        run_distributed(_offloaded_optimizer, 1, (tiny_moe_config(), "bf16", False))
