@@ -242,6 +242,28 @@ def _host_split_sizes(tensor, as_numpy: bool = False, record_stream: bool = Fals
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
+def _patch_uneven_all_gather() -> None:
+    original = torch.distributed.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        """``torch.distributed.all_gather``; tensors of different lengths along dim 0 (which NCCL gathers
+        and gloo refuses) are padded to the longest, gathered, and cut back."""
+        if len({t.shape for t in tensor_list}) <= 1:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        if async_op:
+            raise NotImplementedError("CPU runtime: an uneven all_gather runs synchronously only")
+        longest = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in tensor_list]
+        original(gathered, padded, group=group)
+        for out, got in zip(tensor_list, gathered):
+            out.copy_(got[: out.shape[0]])
+        return None
+
+    torch.distributed.all_gather = all_gather
+
+
 def _patch_alltoall_split_sizes() -> None:
     from megatron.core.transformer.moe import token_dispatcher
 
@@ -311,14 +333,19 @@ PATCHES: dict[str, Patch] = {
         "maybe_move_tensor_to_cpu, which converts CUDA tensors only; on CPU they stayed tensors and "
         "all_to_all_single refused them. The substitute converts host tensors the same way.",
         _patch_alltoall_split_sizes),
+    "uneven_all_gather": Patch(
+        "with expert tensor parallelism the alltoall dispatcher all-gathers each TP rank's tokens, a different "
+        "count per rank (tensor_parallel.mappings._gather_along_first_dim with output_split_sizes). NCCL "
+        "gathers tensors of different lengths; gloo refuses them ('invalid tensor size'). The substitute pads "
+        "to the longest, gathers and cuts back: the same values.", _patch_uneven_all_gather),
 }
 
 _COMMON = ("current_device", "synchronize", "tensor_cuda", "literal_cuda_factories", "rng_tracker", "tensor_type",
            "cuda_rng_state")
 # Versions the patches were checked against (the test suite ran on each), and the patches each needs.
 PATCHES_BY_VERSION: dict[str, tuple[str, ...]] = {
-    "0.16.1": _COMMON + ("te_general_gemm", "cuda_streams", "alltoall_split_sizes"),
-    "0.19.2": _COMMON + ("cuda_streams", "alltoall_split_sizes"),
+    "0.16.1": _COMMON + ("te_general_gemm", "cuda_streams", "alltoall_split_sizes", "uneven_all_gather"),
+    "0.19.2": _COMMON + ("cuda_streams", "alltoall_split_sizes", "uneven_all_gather"),
 }
 
 
