@@ -120,7 +120,11 @@ class SGLangConfig:
     urls: list[str] = dataclasses.field(default_factory=list)
     launch: SGLangLaunchConfig | None = None
     weight_sync: WeightSyncMode = "tensor"
+    # Bytes per weight-sync post: the trainer exports in buckets of this size (one post each, see
+    # docs/rollout.md "Bucket size").
     bucket_bytes: int = 512 * 1024 * 1024
+    # Tensor sync: buckets a rank keeps alive at most (each dropped once its post has been answered).
+    tensor_buckets_in_flight: int = 2
     disk_dir: str = ""  # weight_sync == 'disk': shared folder the trainer writes and the servers read
     disk_config_dir: str = ""  # where config.json comes from for disk checkpoints; "" = launch.model_path
     distributed: SGLangDistributedSyncConfig = dataclasses.field(default_factory=SGLangDistributedSyncConfig)
@@ -149,6 +153,8 @@ class SGLangConfig:
         for i, url in enumerate(self.urls):
             check(url.startswith(("http://", "https://")), f"{path}.urls[{i}]", f"must be an http(s) URL, got {url!r}")
         check(self.bucket_bytes >= 1 << 20, f"{path}.bucket_bytes", f"must be >= 1 MiB, got {self.bucket_bytes}")
+        check(self.tensor_buckets_in_flight >= 1, f"{path}.tensor_buckets_in_flight",
+              f"must be >= 1, got {self.tensor_buckets_in_flight}")
         if self.weight_sync == "disk":
             check(bool(self.disk_dir), f"{path}.disk_dir", "required when weight_sync is 'disk'")
         if self.weight_sync == "distributed":

@@ -152,17 +152,29 @@ def _weights(refs: list) -> list:
     return out
 
 
-def test_colocated_buckets_live_until_every_rank_is_past_the_sync():
+def test_colocated_buckets_are_dropped_only_after_the_leaders_post_answered():
+    """SGLang answers once its copies are enqueued (item 12): a bucket is dropped only after its post has
+    returned on the leader, which acknowledges it over the group; at most tensor_buckets_in_flight live."""
     with StandinServer() as srv:
-        cfg = build(SGLangConfig, {"urls": [srv.url]}, "rollout.sglang")
-        leader = SGLangEngine(cfg, attach_servers(cfg), colocated=engine_mod.ColocatedSync(0, True, lambda p: [p]))
+        cfg = build(SGLangConfig, {"urls": [srv.url], "bucket_bytes": 1 << 20}, "rollout.sglang")
         refs: list = []
-        leader.update_weights(_weights(refs), final=True)
-        gc.collect()
-        assert all(r() is not None for r in refs)  # the server may still be copying from them
-        leader.adopt_sync_report(leader.sync_report())  # what share_sync_report does after the barrier
-        gc.collect()
+        acks: list = []
+
+        def ack(answered):
+            # at acknowledgement time the server has answered every post so far, and the bucket is alive
+            acks.append((answered, len(srv.bodies("/update_weights_from_tensor")), sum(r() is not None for r in refs)))
+            return answered
+
+        leader = SGLangEngine(cfg, attach_servers(cfg), colocated=engine_mod.ColocatedSync(0, True, lambda p: [p], ack))
+        for i in range(4):
+            leader.update_weights(_weights(refs), final=i == 3)
+            gc.collect()
+            assert sum(r() is not None for r in refs) <= 2 * cfg.tensor_buckets_in_flight  # two tensors a bucket
         assert all(r() is None for r in refs)
+        # one acknowledgement per bucket, in order, each after that bucket's post returned
+        assert [a for a, _, _ in acks] == [True] * 4
+        assert [posts for _, posts, _ in acks] == [2, 3, 4, 4]
+        assert acks[0][2] == 4  # buckets 1 and 2 alive when bucket 1 is acknowledged (2 in flight)
 
 
 def test_single_process_buckets_are_released_once_the_servers_answered():
