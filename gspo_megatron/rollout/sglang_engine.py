@@ -29,7 +29,7 @@ import torch
 from gspo_megatron.rollout.ahead import SubmittedGenerations
 from gspo_megatron.rollout.base import RolloutEngine, RolloutInputError, Sample, SamplingParams
 from gspo_megatron.rollout.process_engine import GenerationResult
-from gspo_megatron.rollout.sglang_config import MEMORY_TAGS, SGLangConfig
+from gspo_megatron.rollout.sglang_config import MEMORY_TAGS, QUANTIZED_SYNC_REFUSAL, SGLangConfig, served_quantization
 from gspo_megatron.rollout.sglang_cpu import cpu_server_env, libcuda_standin_dir
 from gspo_megatron.rollout.sglang_http import (RetriesExhausted, RetryPolicy, ServerBusy, ServerRejected,
                                                ServerUnreachable, call_with_retry, request)
@@ -254,8 +254,21 @@ class SGLangEngine(RolloutEngine):
                 raise SGLangEngineError(f"{slot.url}: cannot read server info: {err}") from err
             except RetriesExhausted as err:
                 raise SGLangEngineError(f"{slot.url}: cannot read server info: {err}") from err
+            self._refuse_quantized(slot, info)
             return parse_server_info(info, f"{slot.url}{path}")
         raise AssertionError("the loop returns or raises")
+
+    def _refuse_quantized(self, slot: ServerSlot, info: Any) -> None:
+        """Tensor / distributed sync into a quantized model (SGLangConfig.validate checks the launch config;
+        this catches attached servers): the server's ``--quantization`` or its model folder's config.json,
+        when that folder is readable here."""
+        if self.cfg.weight_sync not in ("tensor", "distributed") or not isinstance(info, Mapping):
+            return
+        quantized = (f"--quantization {info['quantization']}" if info.get("quantization")
+                     else served_quantization(str(info.get("model_path") or "")))
+        if quantized is not None:
+            raise SGLangEngineError(f"{slot.url} serves a quantized model ({quantized}); rollout.sglang.weight_sync "
+                                    f"'{self.cfg.weight_sync}' cannot update it: {QUANTIZED_SYNC_REFUSAL}")
 
     # ------------------------------------------------------------------ routing and recovery
 
