@@ -9,7 +9,9 @@ as SGLang 0.5.23 does (tests/rollout/sglang_standin.py: NOT SGLang):
 - a repeated /init_weights_update_group or /update_weights_from_distributed hangs the server, so neither
   is retried;
 - distributed sync needs dp_size 1;
-- CUDA IPC buckets stay alive until every rank is past the sync.
+- A tensor-sync bucket is dropped only after the leader's post of it returned (acknowledged), at most
+  tensor_buckets_in_flight alive.
+- Tensor / distributed sync refuse a quantized served model (post-load is skipped after those updates).
 """
 import gc
 import weakref
