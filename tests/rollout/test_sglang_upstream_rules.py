@@ -282,3 +282,8 @@ def test_the_trainer_exits_2_naming_the_setting(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=repo)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "rollout.sglang.weight_sync: 'tensor' cannot update a quantized served model" in proc.stderr
+
+
+def test_buckets_in_flight_must_be_positive():
+    with pytest.raises(ConfigError, match=r"rollout\.sglang\.tensor_buckets_in_flight: must be >= 1, got 0"):
+        build(SGLangConfig, {"urls": ["http://127.0.0.1:1"], "tensor_buckets_in_flight": 0}, "rollout.sglang")
