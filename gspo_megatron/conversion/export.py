@@ -90,7 +90,6 @@ def _assemble(name: str, local: dict, owner_stage: int, shape, dtype, device, co
     return full
 
 
-@torch.no_grad()
 def export_hf_tensors(model, model_config: ModelConfig, bucket_bytes: int,
                       dtype: torch.dtype | None = None) -> Iterator[NamedTensors]:
     """Yield lists of (HF name, tensor) of at most ``bucket_bytes`` each (a larger tensor travels alone),
@@ -98,6 +97,16 @@ def export_hf_tensors(model, model_config: ModelConfig, bucket_bytes: int,
     every rank of the job and consume the iterator to the end on all of them. ``dtype`` casts
     (default: the parameters' dtype). ``model`` may be wrapped (DDP); its canonical names are those of
     ``megatron/sharding.py`` (TE-spec names are translated with ``megatron/te_names.py``)."""
+    for bucket, _ in export_hf_buckets(model, model_config, bucket_bytes, dtype):
+        yield bucket
+
+
+@torch.no_grad()
+def export_hf_buckets(model, model_config: ModelConfig, bucket_bytes: int,
+                      dtype: torch.dtype | None = None) -> Iterator[tuple[NamedTensors, bool]]:
+    """``export_hf_tensors``'s buckets as (bucket, is_last): the last one is known without holding a
+    second bucket back, so a consumer that drops each bucket after use keeps at most one of them alive
+    (plus the next bucket's first tensor and the canonical tensor being assembled)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     local = _local_tensors(model, model_config)
@@ -112,10 +121,13 @@ def export_hf_tensors(model, model_config: ModelConfig, bucket_bytes: int,
             stage, shape, param_dtype = owners[stage_key]
             full = _assemble(entry.megatron, local, stage, shape, param_dtype, device, model_config)
             for name, tensor in zip(entry.hf, entry.transform.to_hf(full)):
-                # a copy: the engine may keep it while training changes the parameters
+                # A copy: the engine may keep it while training changes the parameters, and a transform's
+                # output is often a view (a q/k/v or gate/up slice) whose IPC handle would share, and pin, the
+                # whole gathered tensor. The engine drops it once its post is answered, so the copies alive
+                # are bounded by its buckets in flight (SGLangConfig.tensor_buckets_in_flight).
                 yield name, tensor.to(dtype=dtype or tensor.dtype, copy=True)
 
-    yield from bucket_named_tensors(named(), bucket_bytes)
+    yield from bucket_named_tensors_marked(named(), bucket_bytes)
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
@@ -128,6 +140,14 @@ def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], buck
     A tensor larger than ``bucket_bytes`` travels alone. Names must be unique within a sync: a repeated
     name would load the same parameter twice and hide a conversion bug.
     """
+    for bucket, _ in bucket_named_tensors_marked(named_tensors, bucket_bytes):
+        yield bucket
+
+
+def bucket_named_tensors_marked(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                                bucket_bytes: int) -> Iterator[tuple[NamedTensors, bool]]:
+    """``bucket_named_tensors`` as (bucket, is_last): a bucket is yielded when the next tensor does not fit
+    (so it is not the last) or when the input ends (so it is)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     seen: set[str] = set()
@@ -139,9 +159,9 @@ def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], buck
         seen.add(name)
         nbytes = tensor_nbytes(tensor)
         if bucket and size + nbytes > bucket_bytes:
-            yield bucket
+            yield bucket, False
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += nbytes
     if bucket:
-        yield bucket
+        yield bucket, True

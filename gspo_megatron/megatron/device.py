@@ -69,3 +69,16 @@ def to_host(value: Any) -> Any:
     steps or pickled for an object collective (a pickled CUDA tensor is rebuilt on the *sender's* device
     index on every receiver)."""
     return _move(value, HOST)
+
+
+def release_cached_memory() -> None:
+    """Give the blocks torch's CUDA caching allocator keeps free back to the driver (``torch.cuda.empty_cache``).
+
+    Colocated SGLang servers take their memory back (``resume_memory``) by re-mapping pages through
+    torch_memory_saver, which needs them free on the device, and the allocator otherwise keeps the update's
+    activation peak and the sync's freed buckets reserved for this process. The trainer calls this after the
+    update and after the weight sync, before each resume."""
+    # CUDA only: the CPU allocator keeps no cache of its own (freed host memory goes back to malloc at
+    # once), so there is nothing to give back; the callers take the same path on both.
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

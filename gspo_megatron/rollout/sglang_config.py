@@ -10,7 +10,9 @@ Flag names and defaults follow SGLang's ``docs/advanced_features/server_argument
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import json
+from pathlib import Path
+from typing import Literal, Sequence
 
 from gspo_megatron.typed_config import check
 
@@ -25,6 +27,33 @@ MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 # reserves 5.5 GB of KV cache; 8192 tokens are plenty for small models on a laptop.
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph")
 CPU_MAX_TOTAL_TOKENS = 8192
+
+
+# Why tensor / distributed sync refuses a quantized served model: SGLang 0.5.23 loads those updates with
+# model.load_weights and skips post-load when the session ends (scheduler_components/weight_updater.py,
+# end_weight_update: run_post_load = not loaded_weights), so bf16 values would be copied into the FP8
+# parameters beside their old scales. Quantizing on the trainer side is not implemented.
+QUANTIZED_SYNC_REFUSAL = ("SGLang 0.5.23 copies tensor and distributed updates into the quantized parameters without "
+                          "re-running post-load, so the old scales would stay; serve the bf16 model (a config.json "
+                          "without quantization_config, no --quantization) for live sync")
+
+
+def served_quantization(model_dir: str, extra_args: Sequence[str] = ()) -> str | None:
+    """What makes a served model quantized, or None: ``quantization_config`` in ``model_dir``/config.json
+    (a folder on this machine; a hub id or a missing folder says nothing) or ``--quantization`` among the
+    server's extra flags."""
+    for i, arg in enumerate(extra_args):
+        if arg == "--quantization" or arg.startswith("--quantization="):
+            value = arg.partition("=")[2] or (extra_args[i + 1] if i + 1 < len(extra_args) else "")
+            return f"--quantization {value}".strip()
+    config = Path(model_dir) / "config.json" if model_dir else None
+    if config is None or not config.is_file():
+        return None
+    quant = json.loads(config.read_text()).get("quantization_config")
+    if quant is None:
+        return None
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    return f"quantization_config (quant_method {method}) in {config}"
 
 
 @dataclasses.dataclass
@@ -120,7 +149,11 @@ class SGLangConfig:
     urls: list[str] = dataclasses.field(default_factory=list)
     launch: SGLangLaunchConfig | None = None
     weight_sync: WeightSyncMode = "tensor"
+    # Bytes per weight-sync post: the trainer exports in buckets of this size (one post each, see
+    # docs/rollout.md "Bucket size").
     bucket_bytes: int = 512 * 1024 * 1024
+    # Tensor sync: buckets a rank keeps alive at most (each dropped once its post has been answered).
+    tensor_buckets_in_flight: int = 2
     disk_dir: str = ""  # weight_sync == 'disk': shared folder the trainer writes and the servers read
     disk_config_dir: str = ""  # where config.json comes from for disk checkpoints; "" = launch.model_path
     distributed: SGLangDistributedSyncConfig = dataclasses.field(default_factory=SGLangDistributedSyncConfig)
@@ -149,6 +182,8 @@ class SGLangConfig:
         for i, url in enumerate(self.urls):
             check(url.startswith(("http://", "https://")), f"{path}.urls[{i}]", f"must be an http(s) URL, got {url!r}")
         check(self.bucket_bytes >= 1 << 20, f"{path}.bucket_bytes", f"must be >= 1 MiB, got {self.bucket_bytes}")
+        check(self.tensor_buckets_in_flight >= 1, f"{path}.tensor_buckets_in_flight",
+              f"must be >= 1, got {self.tensor_buckets_in_flight}")
         if self.weight_sync == "disk":
             check(bool(self.disk_dir), f"{path}.disk_dir", "required when weight_sync is 'disk'")
         if self.weight_sync == "distributed":
@@ -162,6 +197,13 @@ class SGLangConfig:
             # dp_size == 1 (tokenizer_control_mixin.py:451) and 0.5.9 joins only tp_size ranks per server.
             check(self.launch.dp_size == 1, f"{path}.launch.dp_size",
                   f"must be 1 with weight_sync '{self.weight_sync}' (start more servers instead of DP inside one)")
+        if self.weight_sync in ("tensor", "distributed"):
+            served = [(self.launch.model_path, self.launch.extra_args)] if self.launch is not None else []
+            for model_dir, extra in served + [(self.disk_config_dir, ())]:
+                quantized = served_quantization(model_dir, extra)
+                check(quantized is None, f"{path}.weight_sync",
+                      f"'{self.weight_sync}' cannot update a quantized served model ({quantized}): "
+                      f"{QUANTIZED_SYNC_REFUSAL}")
         if self.launch is not None and self.launch.device == "cpu":
             cpu = f"with {path}.launch.device: cpu"
             check(not (self.weight_sync == "tensor" and self.release_memory), f"{path}.release_memory",
@@ -182,5 +224,5 @@ class SGLangConfig:
         check(self.routed_experts_top_k >= 0, f"{path}.routed_experts_top_k", "must be >= 0")
 
 
-__all__ = ["CPU_FLAGS", "CPU_MAX_TOTAL_TOKENS", "LaunchDevice", "MEMORY_TAGS", "SGLangConfig", "SGLangDistributedSyncConfig", "SGLangLaunchConfig",
-           "RouterKind", "WeightSyncMode"]
+__all__ = ["CPU_FLAGS", "CPU_MAX_TOTAL_TOKENS", "LaunchDevice", "MEMORY_TAGS", "QUANTIZED_SYNC_REFUSAL", "SGLangConfig", "SGLangDistributedSyncConfig", "SGLangLaunchConfig",
+           "RouterKind", "WeightSyncMode", "served_quantization"]

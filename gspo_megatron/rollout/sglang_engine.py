@@ -11,6 +11,7 @@ when no usable server is left, generate raises SGLangEngineError saying why.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -28,7 +29,7 @@ import torch
 from gspo_megatron.rollout.ahead import SubmittedGenerations
 from gspo_megatron.rollout.base import RolloutEngine, RolloutInputError, Sample, SamplingParams
 from gspo_megatron.rollout.process_engine import GenerationResult
-from gspo_megatron.rollout.sglang_config import MEMORY_TAGS, SGLangConfig
+from gspo_megatron.rollout.sglang_config import MEMORY_TAGS, QUANTIZED_SYNC_REFUSAL, SGLangConfig, served_quantization
 from gspo_megatron.rollout.sglang_cpu import cpu_server_env, libcuda_standin_dir
 from gspo_megatron.rollout.sglang_http import (RetriesExhausted, RetryPolicy, ServerBusy, ServerRejected,
                                                ServerUnreachable, call_with_retry, request)
@@ -81,12 +82,16 @@ class ColocatedSync:
 
     Every rank serializes the bucket it holds on its own GPU; ``gather(payload)`` returns, on the leader (the
     one rank that talks to server ``server_index``), the payloads of that server's GPUs in TP-rank order,
-    and None on the other ranks (see ``gather_to_leader``). update_weights is then collective over them.
+    and None on the other ranks (see ``gather_to_leader``). ``ack(answered)`` is the per-bucket
+    acknowledgement: the leader passes True once its post of the bucket has returned (the server's HTTP
+    answer), every other rank passes None and receives the leader's value (see ``ack_from_leader``); only
+    then may a rank drop that bucket. update_weights is collective over these ranks.
     """
 
     server_index: int
     is_leader: bool
     gather: Callable[[str], list[str] | None]
+    ack: Callable[[bool | None], bool]
 
 
 @dataclasses.dataclass
@@ -112,6 +117,17 @@ def gather_to_leader(group: Any, leader_global_rank: int) -> Callable[[str], lis
         return out
 
     return gather
+
+
+def ack_from_leader(group: Any, leader_global_rank: int) -> Callable[[bool | None], bool]:
+    """A ColocatedSync.ack over the group of gather_to_leader: the leader's value, broadcast to every rank."""
+
+    def ack(answered: bool | None) -> bool:
+        box = [answered]
+        torch.distributed.broadcast_object_list(box, src=leader_global_rank, group=group)
+        return bool(box[0])
+
+    return ack
 
 
 def _with_last(items: Iterable[NamedTensors]) -> Iterator[tuple[NamedTensors, bool]]:
@@ -174,9 +190,9 @@ class SGLangEngine(RolloutEngine):
         self._group_generation = 0
         self._group_broken = False  # a member restarted: rebuild the group before the next bucket
         self._session_api: dict[str, bool] = {}  # url -> has /begin_weight_update (False: answered 404)
-        # Tensor sync: the buckets whose CUDA IPC handles the servers open. SGLang answers once the copies
-        # are enqueued, not done, so they stay alive until every rank is past the sync (release_sync_buffers).
-        self._held_buckets: list[NamedTensors] = []
+        # Tensor sync: the buckets whose CUDA IPC handles the servers may still open, oldest first; at most
+        # cfg.tensor_buckets_in_flight of them (see _settle_buckets).
+        self._in_flight: collections.deque[NamedTensors] = collections.deque()
         self._released: set[str] = set()  # memory regions this engine released on its servers
         # colocated (tensor sync): the servers share the trainer's GPUs
         self.releases_memory = cfg.weight_sync == "tensor" and cfg.release_memory
@@ -238,8 +254,21 @@ class SGLangEngine(RolloutEngine):
                 raise SGLangEngineError(f"{slot.url}: cannot read server info: {err}") from err
             except RetriesExhausted as err:
                 raise SGLangEngineError(f"{slot.url}: cannot read server info: {err}") from err
+            self._refuse_quantized(slot, info)
             return parse_server_info(info, f"{slot.url}{path}")
         raise AssertionError("the loop returns or raises")
+
+    def _refuse_quantized(self, slot: ServerSlot, info: Any) -> None:
+        """Tensor / distributed sync into a quantized model (SGLangConfig.validate checks the launch config;
+        this catches attached servers): the server's ``--quantization`` or its model folder's config.json,
+        when that folder is readable here."""
+        if self.cfg.weight_sync not in ("tensor", "distributed") or not isinstance(info, Mapping):
+            return
+        quantized = (f"--quantization {info['quantization']}" if info.get("quantization")
+                     else served_quantization(str(info.get("model_path") or "")))
+        if quantized is not None:
+            raise SGLangEngineError(f"{slot.url} serves a quantized model ({quantized}); rollout.sglang.weight_sync "
+                                    f"'{self.cfg.weight_sync}' cannot update it: {QUANTIZED_SYNC_REFUSAL}")
 
     # ------------------------------------------------------------------ routing and recovery
 
@@ -462,8 +491,9 @@ class SGLangEngine(RolloutEngine):
             if session and self._sync.session is None:
                 self._begin_session()
             if self.cfg.weight_sync == "tensor":
-                self._held_buckets.append(bucket)
+                self._in_flight.append(bucket)
                 self._push_tensor_bucket(bucket, flush=closing, weight_version=label)
+                self._settle_buckets(keep=self.cfg.tensor_buckets_in_flight - 1)
             elif self.cfg.weight_sync == "distributed":
                 self._push_distributed_bucket(bucket, flush=closing, weight_version=label)
             else:
@@ -474,10 +504,9 @@ class SGLangEngine(RolloutEngine):
             self._finish_disk_sync(new_version)
         elif not sent_any:
             self._map(lambda s: self._sync_post(s, "/flush_cache", None), self._posting_targets())
+        self._settle_buckets(keep=0)
         if self._sync.session:
             self._map(lambda s: self._sync_post(s, "/end_weight_update", {}), self._sync.session)
-        if self.colocated is None:
-            self.release_sync_buffers()  # every server this process fed has answered, session closed
         sync, self._sync = self._sync, None
         for slot in sync.targets:
             if id(slot) in sync.failed:
@@ -527,12 +556,40 @@ class SGLangEngine(RolloutEngine):
 
         self._sync.session = [s for s, begun in zip(targets, self._map(begin, targets)) if begun]
 
-    def release_sync_buffers(self) -> None:
-        """Drop the tensor sync's buckets and let CUDA free the memory the servers' IPC handles pinned.
-        Called once every rank is past the sync (adopt_sync_report) or by the next sync."""
-        self._held_buckets.clear()
+    def _settle_buckets(self, *, keep: int) -> None:
+        """Drop the oldest tensor-sync buckets until ``keep`` are left, each only after its acknowledgement.
+
+        The acknowledgement is the leader's post of that bucket having returned (one process: its own posts
+        returned already). SGLang 0.5.23 answers once its copies out of the IPC handles are enqueued, not
+        done (UPSTREAM_GPU_FACTS.md, item 12); dropping our reference then is still safe because torch keeps
+        a CUDA block shared over IPC out of the allocator until every consumer has released its handle, and
+        a consumer synchronizes its stream before it does (torch ``StorageSharing.cpp``,
+        ``THPStorage_newSharedCuda``'s deleter; ``CudaIPCTypes.cpp``'s limbo of sent blocks).
+        ``torch.cuda.ipc_collect()`` then returns the released blocks to the allocator; without it they
+        wait in that limbo. Keeping one more bucket than acknowledged (the default of 2 in flight) gives
+        the server a further post's time before its handle is the only one left."""
+        settled = False
+        while len(self._in_flight) > keep:
+            if self.colocated is not None:
+                self.colocated.ack(True if self.colocated.is_leader else None)
+            self._in_flight.popleft()
+            settled = True
+        if settled:
+            self._collect_ipc()
+
+    @staticmethod
+    def _collect_ipc() -> None:
+        # CUDA only: ipc_collect frees blocks shared through CUDA IPC; a CPU tensor's shared-memory
+        # segment is unlinked when its last opener closes it, with nothing to collect on this side.
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
+
+    def release_sync_buffers(self) -> None:
+        """Drop what an aborted tensor sync left in flight (a complete sync leaves nothing: _settle_buckets)
+        and let CUDA free the memory the servers' IPC handles pinned. Called once every rank is past the
+        sync (adopt_sync_report) and by the next sync."""
+        self._in_flight.clear()
+        self._collect_ipc()
 
     def _push_tensor_bucket(self, bucket: NamedTensors, *, flush: bool, weight_version: str | None) -> None:
         payload = serialize_named_tensors(bucket)
@@ -801,5 +858,5 @@ def attach_servers(cfg: SGLangConfig) -> list[ServerSlot]:
     return [ServerSlot(url=url.rstrip("/")) for url in cfg.urls]
 
 
-__all__ = ["ColocatedSync", "SGLangEngine", "SGLangEngineError", "ServerSlot", "attach_servers",
+__all__ = ["ColocatedSync", "SGLangEngine", "SGLangEngineError", "ServerSlot", "ack_from_leader", "attach_servers",
            "gather_to_leader", "launch_servers"]

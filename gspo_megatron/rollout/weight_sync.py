@@ -7,27 +7,30 @@ from __future__ import annotations
 
 import time
 
-from gspo_megatron.conversion.export import export_hf_tensors
+from gspo_megatron.conversion.export import export_hf_buckets
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.rollout.base import RolloutEngine
 
-DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024  # fastest on CPU (benchmarks/bench_weight_sync.py); SGLang re-buckets itself
+# The transformers engine's bucket size: fastest on CPU (benchmarks/bench_weight_sync.py). The SGLang
+# engine takes its own rollout.sglang.bucket_bytes instead (one HTTP post per bucket; docs/rollout.md).
+DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024
 
 
 def sync_weights(model, model_config: ModelConfig, engine: RolloutEngine,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
-    """Push every weight of ``model`` to ``engine``; the last bucket carries ``final=True`` (which bumps
-    the engine's weight version). Returns timing and volume for the step metrics."""
+    """Push every weight of ``model`` to ``engine`` in buckets of at most ``bucket_bytes``; the last
+    bucket carries ``final=True`` (which bumps the engine's weight version). No bucket is held back to
+    learn which is the last (``export_hf_buckets`` says so), so an engine that drops a bucket once it is
+    loaded keeps the sync's extra memory to its own buckets in flight. Returns timing and volume for the
+    step metrics."""
     start = time.perf_counter()
     total = 0
-    pending = None
-    for bucket in export_hf_tensors(model, model_config, bucket_bytes):
-        if pending is not None:
-            engine.update_weights(pending, final=False)
-        pending = bucket
+    sent = False
+    for bucket, is_last in export_hf_buckets(model, model_config, bucket_bytes):
         total += sum(t.numel() * t.element_size() for _, t in bucket)
-    if pending is None:
+        engine.update_weights(bucket, final=is_last)
+        sent = True
+    if not sent:
         raise ValueError("sync_weights: the model exported no tensors")
-    engine.update_weights(pending, final=True)
     elapsed = time.perf_counter() - start
     return {"sync_bytes": float(total), "sync_s": elapsed, "sync_bytes_per_s": total / max(elapsed, 1e-9)}

@@ -723,22 +723,28 @@ class Trainer:
         ``self.step``, right between steps; a step's own sync passes ``self.step + 1``), which makes the
         engine's weight version ``updates + 1`` (the initial sync is version 1): the version of every
         generation submitted from now on (overlap mode's staleness, partial rollouts' segments)."""
-        from gspo_megatron.rollout.weight_sync import sync_weights
+        from gspo_megatron.megatron import device
+        from gspo_megatron.rollout.weight_sync import DEFAULT_BUCKET_BYTES, sync_weights
 
         rebuilt = self._replace_dead_engine() if self.ahead is not None else None
+        device.release_cached_memory()  # the update's cached blocks, free for the servers' resume
         self.engine.resume_memory(["weights"])  # a no-op unless released (RolloutEngine.releases_memory)
         if self.ahead is not None and self.config.rollout.engine == "sglang" and dist.get_world_size() > 1:
             # overlap: the servers are shared, so every rank's batch generated ahead must be finished before
             # any rank posts weights (each engine waits for its own in update_weights; the barrier for all)
             self.engine.wait_submitted()
             dist.barrier()
-        stats = sync_weights(self.policy.ddp, self.model_config, self.engine)
+        # SGLang: one post per bucket of its bucket_bytes (docs/rollout.md, "Bucket size")
+        sglang = self.config.rollout.engine == "sglang"
+        stats = sync_weights(self.policy.ddp, self.model_config, self.engine,
+                             self.config.rollout.sglang.bucket_bytes if sglang else DEFAULT_BUCKET_BYTES)
         if self.config.rollout.engine == "sglang" and dist.get_world_size() > 1:
             from gspo_megatron.trainer.rollout_setup import share_sync_report
 
             # the posting ranks' word on which servers took the weights; also the barrier that keeps every
             # rank from generating before the servers hold them
             share_sync_report(self.engine)
+        device.release_cached_memory()  # the sync's buckets, before the KV cache comes back
         self.engine.resume_memory(["kv_cache", "cuda_graph"])
         self.engine_version = (self.step if updates is None else updates) + 1
         if rebuilt is not None:  # the batches queued ahead are generated again, by every rank's engine

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from gspo_megatron.megatron.device import cuda_present
 from gspo_megatron.rollout.sglang_config import SGLangConfig
-from gspo_megatron.rollout.sglang_engine import ColocatedSync, SGLangEngine, gather_to_leader
+from gspo_megatron.rollout.sglang_engine import ColocatedSync, SGLangEngine, ack_from_leader, gather_to_leader
 from gspo_megatron.trainer.launch_env import LaunchEnv, resolve_launch
 
 PATH = "rollout.sglang"
@@ -229,7 +229,8 @@ def connect_sglang(cfg: SGLangConfig, environ: Mapping[str, str],
         # new_group is collective over the whole world: every rank creates every group, in one order.
         groups = [dist.new_group(list(ranks)) for ranks in layout.groups()]
         leader = layout.groups()[server][0]
-        colocated = ColocatedSync(server, position == 0, gather_to_leader(groups[server], leader))
+        colocated = ColocatedSync(server, position == 0, gather_to_leader(groups[server], leader),
+                                  ack_from_leader(groups[server], leader))
     posts = sglang_pushes(cfg, place.rank, place.world_size)
     if cfg.launch is None:
         rank = SGLangRank(cfg, posts, colocated)

@@ -45,6 +45,7 @@ class StandinState:
     # SGLang 0.5.23 (PR #28001): tensor and distributed updates only inside begin/end_weight_update;
     # False plays an older server, which answers 404 on both endpoints and needs no session.
     weight_update_session: bool = True
+    quantization: str | None = None  # the server's --quantization (ServerArgs.quantization)
     session_open: bool = False
     load_format: str = "auto"  # the server's --load-format; disk updates without one inherit it
     context_length: int = 4096  # the server's --context-length: longer prompts are refused like SGLang refuses them
@@ -67,7 +68,8 @@ class StandinState:
         return {"tp_size": self.tp_size, "dp_size": self.dp_size, "base_gpu_id": self.base_gpu_id, "model_path": "standin",
                 "enable_deterministic_inference": self.deterministic, "enable_memory_saver": self.memory_saver,
                 "enable_return_routed_experts": self.routed_experts is not None, "skip_tokenizer_init": True,
-                "context_length": self.context_length, "version": "standin (not SGLang)"}
+                "context_length": self.context_length, "quantization": self.quantization,
+                "version": "standin (not SGLang)"}
 
 
 class BadRequest(Exception):

@@ -374,7 +374,7 @@ def test_follower_posts_nothing_and_final_advances_its_version():
         _check_groups(follower.generate(PROMPTS, 2, PARAMS), PROMPTS, 2)
         with pytest.raises(ValueError, match="colocated engine takes part"):
             SGLangEngine(cfg, attach_servers(cfg), posts_weights=False,
-                         colocated=engine_mod.ColocatedSync(0, True, lambda p: [p]))
+                         colocated=engine_mod.ColocatedSync(0, True, lambda p: [p], bool))
 
 
 def test_sync_report_names_the_servers_a_poster_fed_and_adopting_it_routes_around_stale_ones():
@@ -400,8 +400,8 @@ def test_sync_report_names_the_servers_a_poster_fed_and_adopting_it_routes_aroun
 def test_colocated_leader_reports_its_own_server_only():
     with StandinServer() as a, StandinServer() as b:
         cfg = _cfg(urls=[a.url, b.url])
-        leader = SGLangEngine(cfg, attach_servers(cfg), colocated=engine_mod.ColocatedSync(1, True, lambda p: [p]))
-        other = SGLangEngine(cfg, attach_servers(cfg), colocated=engine_mod.ColocatedSync(0, False, lambda p: None))
+        leader = SGLangEngine(cfg, attach_servers(cfg), colocated=engine_mod.ColocatedSync(1, True, lambda p: [p], bool))
+        other = SGLangEngine(cfg, attach_servers(cfg), colocated=engine_mod.ColocatedSync(0, False, lambda p: None, lambda a: True))
         for engine in (leader, other):
             engine.update_weights([("w", torch.ones(4))], final=True)
         assert leader.sync_report() == {b.url: True} and other.sync_report() == {}
