@@ -78,7 +78,7 @@ def release_cached_memory() -> None:
     torch_memory_saver, which needs them free on the device, and the allocator otherwise keeps the update's
     activation peak and the sync's freed buckets reserved for this process. The trainer calls this after the
     update and after the weight sync, before each resume."""
-    # CUDA only: the CPU allocator keeps no cache of its own (freed host memory goes back to malloc at
+    # device branch: the CPU allocator keeps no cache of its own (freed host memory goes back to malloc at
     # once), so there is nothing to give back; the callers take the same path on both.
-    if torch.cuda.is_available():
+    if cuda_present():
         torch.cuda.empty_cache()

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from gspo_megatron.megatron.device import cuda_present
 from gspo_megatron.rollout.ahead import SubmittedGenerations
 from gspo_megatron.rollout.base import RolloutEngine, RolloutInputError, Sample, SamplingParams
 from gspo_megatron.rollout.process_engine import GenerationResult
@@ -579,9 +580,9 @@ class SGLangEngine(RolloutEngine):
 
     @staticmethod
     def _collect_ipc() -> None:
-        # CUDA only: ipc_collect frees blocks shared through CUDA IPC; a CPU tensor's shared-memory
+        # device branch: ipc_collect frees blocks shared through CUDA IPC; a CPU tensor's shared-memory
         # segment is unlinked when its last opener closes it, with nothing to collect on this side.
-        if torch.cuda.is_available():
+        if cuda_present():
             torch.cuda.ipc_collect()
 
     def release_sync_buffers(self) -> None:

@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "gspo_megatron"
 # Every remaining device branch, by file: each line says in its comment (or the line above) why CUDA itself
 # is what differs there. Adding one means adding it here, with its reason in the code.
 DEVICE_BRANCHES = {
-    "megatron/device.py": 1,        # compute_device: where tensors are placed
+    "megatron/device.py": 2,        # compute_device: where tensors are placed; the CUDA caching allocator
     "megatron/parallel.py": 2,      # NCCL exists only in CUDA builds; set_device before NCCL
     "megatron/model.py": 2,         # TE needs CUDA; CPU initialisation / jit fusion
     "megatron/optimizer.py": 1,     # pinned host buffers of the offloaded optimizer need CUDA
