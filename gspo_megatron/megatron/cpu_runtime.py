@@ -203,9 +203,17 @@ def _patch_tensor_type() -> None:
 
 class _HostStream:
     """The one CPU "stream": CPU work runs in program order, so waits, events and stream switches are
-    no-ops. Every ``torch.cuda.Stream()`` is this one object and so is ``torch.cuda.current_stream()``:
-    code that compares them (the alltoall dispatcher's ``on_side_stream``) sees no side stream and never
-    calls ``record_stream``, which CPU tensors lack."""
+    no-ops. ``torch.cuda.Stream`` becomes this class, and every instance is the same object, which is also
+    ``torch.cuda.current_stream()``: code that compares them (the alltoall dispatcher's ``on_side_stream``)
+    sees no side stream and never calls ``record_stream``, which CPU tensors lack. A class, not a function,
+    so annotations such as transformers' ``torch.cuda.Stream | None`` still evaluate."""
+
+    _one: "_HostStream | None" = None
+
+    def __new__(cls, *args, **kwargs):
+        if cls._one is None:
+            cls._one = super().__new__(cls)
+        return cls._one
 
     def wait_stream(self, stream) -> None:
         pass
@@ -226,12 +234,9 @@ class _HostStream:
         return True
 
 
-_HOST_STREAM = _HostStream()
-
-
 def _patch_cuda_streams() -> None:
-    torch.cuda.Stream = lambda *args, **kwargs: _HOST_STREAM
-    torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+    torch.cuda.Stream = _HostStream
+    torch.cuda.current_stream = lambda device=None: _HostStream()
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
 

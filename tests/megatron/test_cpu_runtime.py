@@ -87,6 +87,7 @@ def test_patches_on_cpu():
         with torch.cuda.stream(stream):
             stream.record_event().synchronize()
         from megatron.core.transformer.moe import token_dispatcher
+        assert (torch.cuda.Stream | None) is not None  # transformers annotates with it (a class, not a function)
         sizes = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
         assert sizes.tolist() == [3, 1] and not torch.is_tensor(sizes)  # what all_to_all_single takes
         from megatron.core.tensor_parallel import random
