@@ -12,8 +12,9 @@ error). The steps:
     c_logprob_gap  the transformers engine generating on the device with Megatron's weights, against
                    Megatron's recomputed log-probs of the same tokens
     d_memory_sync  memory through an update and a tensor-mode sync (export_hf_tensors, the tensor sync's
-                   payloads, a local receiver): reserved before / after empty_cache, the sync's peak
-                   against the model's bytes, with the receiver releasing each bucket and holding them all
+                   payloads, a local receiving process): reserved before / after empty_cache, the sync's
+                   peak against the model's bytes, the sender dropping each bucket once acknowledged and
+                   holding every bucket to the end
     e_cuda_ipc     a payload of ``serialize_named_tensors`` unpickled in a second process with SGLang
                    0.5.23's allowlist (``SafeUnpickler``), checksums compared; a blocked global refused
     f_checkpoint   the distributed optimizer: save, load into a fresh model and optimizer, parameters and
@@ -266,50 +267,38 @@ def step_gspo(ctx: Context) -> dict:
     return out
 
 
-class _Received:
-    """What a local receiver took: names and bytes, and the buckets it still holds."""
-
-    def __init__(self, hold: bool):
-        self.hold, self.held, self.names, self.nbytes, self.buckets = hold, [], [], 0, 0
-
-
-def _receive_locally(bucket, receiver: _Received) -> None:
-    """The tensor sync's trainer side for one bucket, with a receiver in this process: the payload
-    ``serialize_named_tensors`` makes (IPC handles on CUDA, shared memory on the CPU), unpickled under
-    SGLang's allowlist, each tensor compared with what was sent. ``receiver.hold`` keeps the bucket
-    until the sync ends (what a sender that frees nothing before the last acknowledgement holds)."""
-    from gspo_megatron.rollout.sglang_weight_sync import serialize_named_tensors
-
-    got = safe_deserialize(serialize_named_tensors(bucket))
-    for (name, sent), (got_name, tensor) in zip(bucket, got, strict=True):
-        if name != got_name or not torch.equal(sent, tensor):
-            raise RuntimeError(f"d_memory_sync: {name} arrived as {got_name} with other contents")
-        receiver.names.append(name)
-        receiver.nbytes += sent.numel() * sent.element_size()
-    receiver.buckets += 1
-    if receiver.hold:
-        receiver.held.append(bucket)
-
-
-def _sync_peak(ctx: Context, policy, hold: bool) -> tuple[dict, _Received]:
+def _sync_peak(ctx: Context, policy, receiver: "ReceiverProcess", hold: bool) -> tuple[dict, list[str]]:
+    """One sync through ``export_hf_tensors`` and the tensor sync's payloads into ``receiver`` (a second
+    process). ``hold``: the sender keeps every bucket until the sync ends (what a sender that frees
+    nothing before the last acknowledgement holds); else it drops each bucket once the receiver
+    acknowledged it and lets CUDA free what the IPC handle pinned (``ipc_collect``). The peak is this
+    process's allocation above what it held before the sync."""
     from gspo_megatron.conversion.export import export_hf_tensors
 
-    receiver = _Received(hold)
+    held, names, nbytes, buckets = [], [], 0, 0
     _sync(ctx)
     before = 0 if ctx.cpu else torch.cuda.memory_allocated()
     _reset_peak(ctx)
     start = time.perf_counter()
     for bucket in export_hf_tensors(policy.ddp, policy.model_config, ctx.size.bucket_bytes):
-        _receive_locally(bucket, receiver)
-        del bucket  # the sender's reference; the receiver's, if it holds, keeps the bucket
+        receiver.send(bucket)
+        names += [n for n, _ in bucket]
+        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        buckets += 1
+        if hold:
+            held.append(bucket)
+        del bucket
+        if not hold and not ctx.cpu:  # CUDA only: the handles' pinned blocks (no such thing on the CPU)
+            torch.cuda.ipc_collect()
     _sync(ctx)
     elapsed = time.perf_counter() - start
     peak = None if ctx.cpu else torch.cuda.max_memory_allocated() - before
-    receiver.held.clear()
-    out = {"seconds": round(elapsed, 3), "buckets": receiver.buckets, "tensors": len(receiver.names),
-           "bytes": receiver.nbytes, "extra_peak_gib": None if peak is None else _gib(peak),
-           "extra_peak_over_model": None if peak is None else round(peak / receiver.nbytes, 4)}
-    return out, receiver
+    held.clear()
+    if not ctx.cpu:
+        torch.cuda.ipc_collect()
+    return {"seconds": round(elapsed, 3), "buckets": buckets, "tensors": len(names), "bytes": nbytes,
+            "extra_peak_gib": None if peak is None else _gib(peak),
+            "extra_peak_over_model": None if peak is None else round(peak / nbytes, 4)}, names
 
 
 def served_weight_names(config) -> list[str]:
@@ -326,7 +315,8 @@ def served_weight_names(config) -> list[str]:
 
 def step_memory_sync(ctx: Context) -> dict:
     """(d) An update, empty_cache, then the same model synced twice through the tensor sync's export and
-    payloads: the receiver releasing each bucket once it has it, and holding all until the end."""
+    payloads into a receiving process: the sender dropping each bucket once acknowledged, then holding all
+    until the end."""
     from gspo_megatron.megatron import parallel as par
 
     parallel = par.ParallelConfig()
@@ -341,17 +331,18 @@ def step_memory_sync(ctx: Context) -> dict:
     if not ctx.cpu:  # the CPU allocator has no cache to empty
         torch.cuda.empty_cache()
     after_empty = _memory(ctx)
-    released, received = _sync_peak(ctx, policy, hold=False)
-    held, _ = _sync_peak(ctx, policy, hold=True)
+    with ReceiverProcess() as receiver:
+        released, names = _sync_peak(ctx, policy, receiver, hold=False)
+        held, _ = _sync_peak(ctx, policy, receiver, hold=True)
     expected = served_weight_names(model_config(ctx.size))
-    if sorted(received.names) != expected:
-        raise RuntimeError(f"d_memory_sync: the sync sent {len(received.names)} tensors, the served model "
-                           f"needs {len(expected)}; differing: {sorted(set(received.names) ^ set(expected))[:5]}")
+    if sorted(names) != expected:
+        raise RuntimeError(f"d_memory_sync: the sync sent {len(names)} tensors, the served model "
+                           f"needs {len(expected)}; differing: {sorted(set(names) ^ set(expected))[:5]}")
     _sync(ctx)
     after_sync = _memory(ctx)
     if not ctx.cpu:
         torch.cuda.empty_cache()
-    return {"model_bytes": received.nbytes, "model_gib": _gib(received.nbytes),
+    return {"model_bytes": released["bytes"], "model_gib": _gib(released["bytes"]),
             "bucket_bytes": ctx.size.bucket_bytes, "after_update": after_update,
             "after_update_empty_cache": after_empty, "sync_release_each_bucket": released,
             "sync_hold_all_buckets": held, "after_sync": after_sync,
@@ -446,32 +437,74 @@ def safe_deserialize(payload: str) -> list:
     return AllowlistUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
 
 
+def _checksum(t: torch.Tensor) -> float:
+    """float64 sum of ``t`` on its own device, in 1 Mi-element chunks (a bounded temporary: (d) measures
+    the sync's peak, which a float64 copy of a whole tensor would inflate)."""
+    return float(sum(float(c.double().sum()) for c in t.reshape(-1).split(1 << 20))) if t.numel() else 0.0
+
+
 def _checksums(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, list]:
-    """name -> [float64 sum, dtype, shape, device type] (the sum read on the tensor's own device)."""
-    return {n: [float(t.double().sum()), str(t.dtype), list(t.shape), t.device.type] for n, t in named}
+    """name -> [checksum, dtype, shape, device type]."""
+    return {n: [_checksum(t), str(t.dtype), list(t.shape), t.device.type] for n, t in named}
 
 
 def receive_main() -> None:
-    """The second process of (e): one payload on stdin; its checksums (or the refusal) on stdout."""
-    payload = sys.stdin.readline().strip()
-    blocked = sys.stdin.readline().strip()
-    start = time.perf_counter()
-    named = safe_deserialize(payload)
-    sums = _checksums(named)
-    seconds = time.perf_counter() - start
-    try:
-        safe_deserialize(blocked)
-        refusal = None
-    except pickle.UnpicklingError as err:  # the refusal is the result here
-        refusal = str(err)
-    print(json.dumps({"checksums": sums, "seconds": seconds, "refusal": refusal}), flush=True)
-    del named  # the handles close before the sender frees its tensors
+    """The receiving process of (d) and (e): one request a line on stdin, one JSON answer a line.
+    ``tensors PAYLOAD``: unpickle under the allowlist, answer the checksums, drop the tensors (their IPC
+    handles close) before answering; ``blocked PAYLOAD``: answer the refusal (or null if accepted)."""
+    for line in sys.stdin:
+        kind, _, payload = line.strip().partition(" ")
+        start = time.perf_counter()
+        if kind == "tensors":
+            named = safe_deserialize(payload)
+            answer = {"checksums": _checksums(named)}
+            del named
+        elif kind == "blocked":
+            try:
+                safe_deserialize(payload)
+                answer = {"refusal": None}
+            except pickle.UnpicklingError as err:  # the refusal is the answer here
+                answer = {"refusal": str(err)}
+        else:
+            raise SystemExit(f"gpu_check --receive: unknown request {kind!r}")
+        print(json.dumps({**answer, "seconds": time.perf_counter() - start}), flush=True)
+
+
+class ReceiverProcess:
+    """A second process that takes ``serialize_named_tensors`` payloads as SGLang does (``receive_main``)."""
+
+    def __enter__(self) -> "ReceiverProcess":
+        self.proc = subprocess.Popen([sys.executable, "-m", "gspo_megatron.testing.gpu_check", "--receive"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        return self
+
+    def ask(self, kind: str, payload: str) -> dict:
+        self.proc.stdin.write(f"{kind} {payload}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the receiving process ended (exit status {self.proc.wait()}); its stderr is above")
+        return json.loads(line)
+
+    def send(self, bucket) -> float:
+        """The bucket through the tensor sync's payload; its checksums compared; the receiver's seconds."""
+        from gspo_megatron.rollout.sglang_weight_sync import serialize_named_tensors
+
+        answer = self.ask("tensors", serialize_named_tensors(bucket))
+        sent = _checksums(bucket)
+        if answer["checksums"] != sent:
+            raise RuntimeError(f"the receiver read other tensors than were sent: {answer['checksums']} != {sent}")
+        return answer["seconds"]
+
+    def __exit__(self, *exc) -> None:
+        self.proc.stdin.close()
+        if self.proc.wait(timeout=60) != 0 and exc[0] is None:
+            raise RuntimeError(f"the receiving process exited with status {self.proc.returncode}")
 
 
 def step_cuda_ipc(ctx: Context) -> dict:
-    """(e) A bucket of the dtypes a sync sends, on the device, to a second process and back (checksums)."""
-    from gspo_megatron.rollout.sglang_weight_sync import serialize_named_tensors
-
+    """(e) A bucket of the dtypes a sync sends, with a view, on the device, to a second process and back
+    (checksums), and a payload naming another global, which the receiver must refuse."""
     gen = torch.Generator().manual_seed(0)
     big = ctx.size.ipc_bytes // 2
     bucket = [("model.layers.0.mlp.experts.0.up_proj.weight", torch.randn(big, generator=gen).to(torch.bfloat16)),
@@ -479,27 +512,20 @@ def step_cuda_ipc(ctx: Context) -> dict:
               ("model.embed_tokens.weight", torch.randn(64, 32, generator=gen).half()),
               ("counter", torch.arange(7, dtype=torch.int64))]
     bucket = [(n, t.to(ctx.device)) for n, t in bucket]
-    bucket.append(("a_view", bucket[0][1][10:20]))  # a view: offset into a shared storage
+    bucket.append(("a_view", bucket[0][1][10:20]))  # a view: an offset into a shared storage
     start = time.perf_counter()
-    payload = serialize_named_tensors(bucket)
-    # what a payload naming another global looks like: SGLang refuses it, and so must the receiver
-    blocked = base64.b64encode(pickle.dumps(os.getcwd)).decode("ascii")
-    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.testing.gpu_check", "--receive"],
-                          input=payload + "\n" + blocked + "\n", capture_output=True, text=True, timeout=120,
-                          env=os.environ.copy())
-    elapsed = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"e_cuda_ipc: the receiving process failed: {proc.stderr.strip()[-1500:]}")
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    sent = _checksums(bucket)
-    if got["checksums"] != sent:
-        raise RuntimeError(f"e_cuda_ipc: checksums differ: sent {sent}, received {got['checksums']}")
-    if not got["refusal"]:
+    with ReceiverProcess() as receiver:
+        started = time.perf_counter() - start
+        start = time.perf_counter()
+        receiver_s = receiver.send(bucket)
+        round_trip = time.perf_counter() - start
+        refusal = receiver.ask("blocked", base64.b64encode(pickle.dumps(os.getcwd)).decode("ascii"))["refusal"]
+    if not refusal:
         raise RuntimeError("e_cuda_ipc: the receiver accepted a payload naming os.getcwd")
     return {"tensors": len(bucket), "bytes": sum(t.numel() * t.element_size() for _, t in bucket),
-            "payload_chars": len(payload), "round_trip_seconds": round(elapsed, 3),
-            "receiver_unpickle_seconds": round(got["seconds"], 4), "devices": sorted({v[3] for v in sent.values()}),
-            "blocked_global_refused": got["refusal"]}
+            "receiver_start_seconds": round(started, 3), "round_trip_seconds": round(round_trip, 4),
+            "receiver_seconds": round(receiver_s, 4), "devices": sorted({t.device.type for _, t in bucket}),
+            "blocked_global_refused": refusal}
 
 
 # ---- (f) checkpoint
