@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import base64
 import dataclasses
+import gc
 import io
 import json
 import math
@@ -264,6 +265,9 @@ def step_gspo(ctx: Context) -> dict:
         out[recompute] = {"seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1),
                           "peak_gib": _memory(ctx)["peak_gib"], "grad_norm": metrics["grad_norm"], "audit": audit}
         del policy
+        gc.collect()  # the next recomputation's peak must not count this model
+        if not ctx.cpu:
+            torch.cuda.empty_cache()
     return out
 
 
@@ -602,8 +606,8 @@ STEPS: dict[str, Callable[..., dict]] = {
     "d_memory_sync": step_memory_sync, "e_cuda_ipc": step_cuda_ipc, "f_checkpoint": step_checkpoint,
 }
 # seconds each step may take on the GPU (imports included); the CPU run scales them (--timeout-scale)
-TIMEOUTS = {"a_versions": 45, "b_gspo_step": 120, "c_logprob_gap": 75, "d_memory_sync": 75, "e_cuda_ipc": 45,
-            "f_checkpoint": 75}
+TIMEOUTS = {"a_versions": 45, "b_gspo_step": 150, "c_logprob_gap": 75, "d_memory_sync": 75, "e_cuda_ipc": 45,
+            "f_checkpoint": 90}
 
 
 def resolve_steps(spec: str | None) -> list[str]:
