@@ -4,7 +4,7 @@
 #
 #   tools/gpu_check.sh --fetch-wheels   here, with network: tools/gpu_wheels.txt into build/gpu_wheels
 #   tools/gpu_check.sh [OPTIONS]        on the GPU machine, carrying build/gpu_wheels: about 4 minutes,
-#                                       at most --budget-s (480 s); results in $OUT/gpu_check.jsonl
+#                                       at most --budget-s (420 s); results in $OUT/gpu_check.jsonl
 #   tools/gpu_check.sh --cpu [OPTIONS]  every step on the CPU at a tiny size (the CI dry run, ~1 minute)
 #
 # OPTIONS go to `python -m gspo_megatron.testing.gpu_check` (--results PATH, --steps a,b,..., --size,
@@ -39,11 +39,13 @@ for arg in "$@"; do
 done
 
 if [ "$cpu" = 0 ]; then
-    # each pinned wheel, as pip names the files it downloads ("-" and case normalised to "_" / lower)
+    # each pinned wheel, as pip names the files it downloads ("-" and case normalised to "_" / lower), for
+    # this interpreter (cpXY) or any Python 3 (py3)
+    tag=$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
     wheels=()
     while read -r req; do
         name=$(echo "${req%%==*}" | tr 'A-Z-' 'a-z_'); version=${req##*==}
-        found=$(ls "$WHEELS" 2>/dev/null | grep -i "^${name}-${version}-.*\.whl$" | head -n 1)
+        found=$(ls "$WHEELS" 2>/dev/null | grep -iE "^${name}-${version}-(${tag}|py3)[-.].*\.whl$" | head -n 1)
         if [ -n "$found" ]; then
             wheels+=("$WHEELS/$found")
         else

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import base64
 import dataclasses
+import faulthandler
 import gc
 import io
 import json
@@ -606,8 +607,8 @@ STEPS: dict[str, Callable[..., dict]] = {
     "d_memory_sync": step_memory_sync, "e_cuda_ipc": step_cuda_ipc, "f_checkpoint": step_checkpoint,
 }
 # seconds each step may take on the GPU (imports included); the CPU run scales them (--timeout-scale)
-TIMEOUTS = {"a_versions": 45, "b_gspo_step": 150, "c_logprob_gap": 75, "d_memory_sync": 75, "e_cuda_ipc": 45,
-            "f_checkpoint": 90}
+TIMEOUTS = {"a_versions": 40, "b_gspo_step": 130, "c_logprob_gap": 70, "d_memory_sync": 70, "e_cuda_ipc": 40,
+            "f_checkpoint": 70}
 
 
 def resolve_steps(spec: str | None) -> list[str]:
@@ -677,9 +678,12 @@ def _tail(text: str, lines: int = 12) -> str:
 def drive_step(name: str, args: argparse.Namespace, timeout_s: float, workdir: Path) -> dict:
     """One step in its own process (a new session, so a timeout ends its helpers too); the record."""
     cmd = [sys.executable, "-m", "gspo_megatron.testing.gpu_check", "--run-step", name, "--size", args.size,
-           "--precision", args.precision, "--workdir", str(workdir)] + (["--cpu"] if args.cpu else [])
+           "--precision", args.precision, "--workdir", str(workdir),
+           # a hung step writes where each of its threads is, shortly before it is killed
+           "--traceback-after-s", str(max(1.0, timeout_s - 3))] + (["--cpu"] if args.cpu else [])
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
         timed_out = False
@@ -688,11 +692,12 @@ def drive_step(name: str, args: argparse.Namespace, timeout_s: float, workdir: P
         stdout, stderr = proc.communicate()
         timed_out = True
     seconds = round(time.perf_counter() - start, 2)
-    sys.stderr.write(f"---- {name} ({seconds} s) ----\n{stderr}")
     base = {"step": name, "seconds": seconds, "cpu": args.cpu, "size": args.size}
+    result = parse_result(stdout)
+    if timed_out or proc.returncode != 0 or result is None:  # the whole log of a failed step, for its reader
+        sys.stderr.write(f"---- {name} failed after {seconds} s; its output: ----\n{stdout}{stderr}\n")
     if timed_out:
         return {**base, "ok": False, "error": f"timed out after {timeout_s:g} s (killed)", "log_tail": _tail(stderr)}
-    result = parse_result(stdout)
     if proc.returncode != 0 or result is None:
         return {**base, "ok": False, "error": f"exit status {proc.returncode}: {_tail(stderr, 3)}",
                 "log_tail": _tail(stderr)}
@@ -727,6 +732,8 @@ def drive(args: argparse.Namespace) -> int:
 def child(args: argparse.Namespace) -> None:
     """The step process: run the step, print its one line (the driver writes the results file)."""
     ctx = Context(cpu=args.cpu, size=SIZES[args.size], precision=args.precision)
+    if args.traceback_after_s:
+        faulthandler.dump_traceback_later(args.traceback_after_s)
     figures = run_step(args.run_step, ctx, Path(args.workdir))
     print(PREFIX + json.dumps({"ok": True, **figures}, sort_keys=True, default=str), flush=True)
     sys.stdout.flush()
@@ -742,10 +749,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--results", help="the results file (JSON lines; default $OUT/gpu_check.jsonl or build/)")
     p.add_argument("--steps", help="comma-separated steps or letters (default: all)")
-    p.add_argument("--budget-s", type=float, default=480.0, help="the whole check's bound (default 480)")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="the whole check's bound in seconds (default 420: the lent machine's 9 minutes, with room)")
     p.add_argument("--timeout-scale", type=float, default=1.0, help="multiplies every step's timeout")
     p.add_argument("--run-step", choices=sorted(STEPS), help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--traceback-after-s", type=float, help=argparse.SUPPRESS)
     p.add_argument("--receive", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.size = args.size or ("tiny" if args.cpu else "gpu")

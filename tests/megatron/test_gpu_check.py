@@ -135,6 +135,35 @@ def test_without_wheels_the_steps_still_run_and_say_why(tmp_path):
     assert record["ok"] is False and "no CUDA device" in record["error"] and out.returncode == 1
 
 
+def _probe_wheel(folder: Path) -> Path:
+    """A minimal pure-Python wheel named like the pinned megatron-core (pip reads its dist-info), holding
+    one marker module instead of megatron (the real package stays the one the steps import)."""
+    import zipfile
+
+    path = folder / "megatron_core-0.16.1-py3-none-any.whl"
+    info = "megatron_core-0.16.1.dist-info"
+    files = {"gspo_probe_marker.py": "MARK = 1\n",
+             f"{info}/METADATA": "Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.16.1\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return path
+
+
+def test_the_wheels_install_into_a_folder_on_pythonpath_without_a_venv(tmp_path):
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    wheels.mkdir()
+    _probe_wheel(wheels)
+    results = tmp_path / "r.jsonl"
+    out = _run("--steps", "a", "--results", str(results), env={"GSPO_GPU_WHEELS": str(wheels),
+                                                              "GSPO_GPU_SITE": str(site)})
+    assert (site / "gspo_probe_marker.py").is_file() and "missing" not in out.stderr
+    assert list(_records(results)) == ["a_versions"]  # and the step ran after the install
+    assert not list(tmp_path.glob("**/pyvenv.cfg"))
+
+
 def test_unknown_step_and_bad_injection_are_refused():
     with pytest.raises(SystemExit, match="unknown step"):
         gpu_check.resolve_steps("a,z")
