@@ -324,6 +324,8 @@ def step_memory_sync(ctx: Context) -> dict:
     until the end."""
     from gspo_megatron.megatron import parallel as par
 
+    # the served model's names first (a meta-device transformers model; see step_logprob_gap for the order)
+    expected = served_weight_names(model_config(ctx.size))
     parallel = par.ParallelConfig()
     _start_distributed(ctx, parallel)
     policy = _policy(ctx, parallel)
@@ -339,7 +341,6 @@ def step_memory_sync(ctx: Context) -> dict:
     with ReceiverProcess() as receiver:
         released, names = _sync_peak(ctx, policy, receiver, hold=False)
         held, _ = _sync_peak(ctx, policy, receiver, hold=True)
-    expected = served_weight_names(model_config(ctx.size))
     if sorted(names) != expected:
         raise RuntimeError(f"d_memory_sync: the sync sent {len(names)} tensors, the served model "
                            f"needs {len(expected)}; differing: {sorted(set(names) ^ set(expected))[:5]}")
@@ -363,11 +364,13 @@ def step_logprob_gap(ctx: Context) -> dict:
     from gspo_megatron.rollout.hf_engine import HFRolloutEngine
     from gspo_megatron.rollout.weight_sync import sync_weights
 
+    config = model_config(ctx.size)
+    # the engine first, as a launch starts its servers before the trainer (and on the CPU before the CPU
+    # runtime replaces torch.cuda.Stream, which transformers' generation modules read at import)
+    engine = HFRolloutEngine(config.to_hf_config(), dtype=torch.bfloat16, device=ctx.device, init_seed=1)
     parallel = par.ParallelConfig()
     _start_distributed(ctx, parallel)
     policy = _policy(ctx, parallel)
-    config = model_config(ctx.size)
-    engine = HFRolloutEngine(config.to_hf_config(), dtype=torch.bfloat16, device=ctx.device, init_seed=1)
     sync_weights(policy.ddp, config, engine, bucket_bytes=ctx.size.bucket_bytes)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, config.vocab_size, (ctx.size.prompt,), generator=gen).tolist()
