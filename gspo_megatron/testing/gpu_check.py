@@ -49,9 +49,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from gspo_megatron.algorithms.config import PAPER_CLIP
+
 PREFIX = "GPU_CHECK "
 INJECT_ENV = "GSPO_GPU_CHECK_INJECT"
-GSPO_CLIP = 3e-4  # GSPO's clip_low (paper section 5.1): the scale GPU non-determinism must stay well under
+GSPO_CLIP = PAPER_CLIP["gspo"][0]  # GSPO's clip_low, 3e-4: the scale GPU non-determinism must stay well under
 
 
 # ------------------------------------------------------------------------------------------------ sizes
