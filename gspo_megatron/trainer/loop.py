@@ -329,7 +329,10 @@ class Trainer:
     def _score_and_gather(self, mine, samples, samples_per_prompt: int):
         """Rewards of this rank's samples, then the whole batch on every rank (see ``rollout``)."""
         from gspo_megatron.rollout.agent_loop import final_turn_ids
+        from gspo_megatron.rollout.base import compact_routed_experts
 
+        # R3 records travel to every data-parallel rank below: one byte per expert id, not the engine's four
+        samples = compact_routed_experts(samples, self.model_config.num_experts)
         # a multi-turn trajectory is scored on its final model turn (the answer), single-turn on the response
         texts = [self.tokenizer.decode(final_turn_ids(s), skip_special_tokens=True) for s in samples]
         batch = [(mine[i // samples_per_prompt], t) for i, t in enumerate(texts)]
