@@ -67,6 +67,8 @@ class Sample:
         tokens the model sampled, False on the tool-output and chat-template tokens inserted between its
         turns (their ``logprobs`` are 0.0). None: every token was sampled.
     tool_stats: optional counters of a trajectory (turns, tool_calls, tool_errors, ...: ``agent_loop.STAT_KEYS``).
+    routing_key: set by the trainer when it has taken the routed experts out for the data-parallel gather:
+        (data-parallel rank, index) of the rank that holds them (trainer/routing_exchange.py).
     """
 
     prompt_index: int
@@ -77,6 +79,7 @@ class Sample:
     prompt_routed_experts: torch.Tensor | None = None
     response_mask: list[bool] | None = None
     tool_stats: dict[str, int] | None = None
+    routing_key: tuple[int, int] | None = None
 
     def all_routed_experts(self) -> torch.Tensor | None:
         """[P + T - 1, num_moe_layers, top_k]: the experts of every fed position, prompt then response."""

@@ -53,7 +53,18 @@ def replayed_step(rank, world_size, run_dir: str, mode: str, model: tuple[str, .
         return samples
 
     trainer.engine.generate = generate
-    checks = {"replayed": 0, "mismatched": 0, "free_differs": 0, "given": [], "flags": [], "dtypes": []}
+    checks = {"replayed": 0, "mismatched": 0, "free_differs": 0, "given": [], "flags": [], "dtypes": [],
+              "gathered_records": 0}
+    real_gather = trainer._score_and_gather
+
+    def score_and_gather(mine, samples, samples_per_prompt):
+        # what every data-parallel rank receives: the batch without its routed experts (they go to the
+        # rank that trains each sequence, trainer/routing_exchange.py)
+        batch, metrics = real_gather(mine, samples, samples_per_prompt)
+        checks["gathered_records"] += sum(s.routed_experts is not None for _, ss, _, _ in batch for s in ss)
+        return batch, metrics
+
+    trainer._score_and_gather = score_and_gather
     real_train = trainer.policy.train_minibatch
 
     def train_minibatch(seqs, replay=False):
@@ -104,7 +115,8 @@ def test_update_forwards_replay_the_recorded_experts(tmp_path, mode, ranks, mode
         assert out["free_differs"] > 0
         if mode == "r3":  # every sequence trains on exactly the engine's rows: prompt + response - 1 positions
             assert all(tuple(g.flatten().tolist()) in engine for g in out["given"])
-            assert set(out["dtypes"]) == {"torch.uint8"}  # gathered one byte per expert id (<= 256 experts)
+            assert set(out["dtypes"]) == {"torch.uint8"}  # one byte per expert id (<= 256 experts)
+            assert out["gathered_records"] == 0
         else:
             assert out["engine_rows"] == []
         assert "routing_drift" in out["metrics"] and 0.0 <= out["metrics"]["routing_drift"] <= 1.0
