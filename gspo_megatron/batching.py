@@ -26,6 +26,8 @@ class TrainSequence:
     routed_experts:   [R, num_moe_layers, top_k] int, optional: the experts Routing Replay forces in this
                       sequence's forwards, row p for model input position p (R = L - 1: an engine's
                       record, "R3"; or R = L: a RoutingRecorder's, "R2"). See ``megatron/routing.py``.
+    routing_key:      (data-parallel rank, index), optional: where ``routed_experts`` waits until the step's
+                      shares are cut (R3, trainer/routing_exchange.py).
     response_mask:    [L - P] bool, optional (multi-turn trajectories, ``rollout/agent_loop.py``): True on
                       the tokens the model sampled. Tool-output and chat-template tokens (False) stay in
                       the sequence the model reads but leave ``loss_mask``, so the loss, the log-ratios,
@@ -41,6 +43,7 @@ class TrainSequence:
     rollout_logprobs: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
     response_mask: torch.Tensor | None = None
+    routing_key: tuple[int, int] | None = None
 
     @property
     def response_len(self) -> int:

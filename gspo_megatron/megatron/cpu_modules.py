@@ -247,8 +247,8 @@ class PaddingFreeMoELayer(MoELayer):
     rows of the routing map are cleared, so the dispatcher permutes only real tokens and returns zeros for
     the padded ones. A real token's output is unchanged: experts act per token, and with right padding
     and a causal mask no real token attends to a padded one, so what padded positions hold never reaches
-    the loss. The router's outputs (what ``megatron/routing.py``
-    records and replays) are untouched; shared experts still see every token.
+    the loss. The router's outputs (what ``megatron/routing.py`` records and replays) are untouched apart
+    from the padded rows; shared experts still see every token.
     """
 
     def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
@@ -256,9 +256,11 @@ class PaddingFreeMoELayer(MoELayer):
         [s * b, experts] with the padded rows empty."""
         if padding_mask is not None and padding_mask.shape[0] != hidden_states.shape[0]:
             padding_mask = sequence_parallel_slice(padding_mask, hidden_states.shape[0], self.attn_tp_group)
-        # the router is not given the mask: megatron-core 0.16.1's expert-bias count (DeepSeek-V3, GLM-4.5)
-        # then broadcasts [tokens, experts] & [tokens] and fails; aux / z losses and bias counts stay as before
-        probs, routing_map = super().route(hidden_states, None)
+        # the router takes the mask (aux / z losses over real tokens) as on the Transformer Engine spec, except
+        # where megatron-core 0.16.1's expert-bias count cannot (routing.router_takes_padding_mask)
+        from gspo_megatron.megatron.routing import router_takes_padding_mask
+
+        probs, routing_map = super().route(hidden_states, padding_mask if router_takes_padding_mask(self.config) else None)
         if padding_mask is None:
             return probs, routing_map
         real = ~padding_mask.reshape(-1, 1)

@@ -356,16 +356,35 @@ class PolicyModel:
         """One micro-batch (on the compute device: ``device.to_device``) through ``model`` (the chunk the
         schedule hands ``forward_step``); with Routing Replay its experts are queued first, right before the
         routers run. Transformer Engine's causal attention implies the mask (its ``attn_mask_type`` causal
-        ignores ``attention_mask``), so only the local spec gets an [1, 1, s, s] one, and its padding mask."""
+        ignores ``attention_mask``), so only the local spec gets an [1, 1, s, s] one. Every spec gets the
+        padding mask (``_padding_mask``)."""
         if router_replay is not None:
             router_replay.set_microbatch(mb["routed_experts"], model)
         ids = mb["input_ids"]
-        if self.layer_spec == "te":
-            return model(ids, mb["position_ids"], None)
-        if self.groups.cp_size > 1:  # the CP attention masks causally by global position (cp_attention.py)
-            return model(ids, mb["position_ids"], None, padding_mask=mb["padding_mask"])
-        # the local spec's MoE layers route padded positions to no expert (cpu_modules.PaddingFreeMoELayer)
-        return model(ids, mb["position_ids"], causal_mask(ids.shape[1], ids.device), padding_mask=mb["padding_mask"])
+        padding = self._padding_mask(mb["padding_mask"])
+        if self.layer_spec == "te" or self.groups.cp_size > 1:  # CP attention masks causally by global position
+            return model(ids, mb["position_ids"], None, padding_mask=padding)
+        return model(ids, mb["position_ids"], causal_mask(ids.shape[1], ids.device), padding_mask=padding)
+
+    def _padding_mask(self, mask: torch.Tensor) -> torch.Tensor | None:
+        """[b, s] bool (True on padding) -> what ``GPTModel.forward(padding_mask=...)`` gets. megatron-core
+        0.16.1 hands it to every MoE layer (gpt_model.py -> TransformerLayer._forward_mlp -> MoELayer.route
+        -> TopKRouter.routing), where it keeps padded tokens out of the aux-loss counts and the z-loss; the
+        local spec's MoE layers also dispatch no padded token (cpu_modules.PaddingFreeMoELayer). Two 0.16.1
+        limits are met here, the same on every spec:
+        - GPTModel scatters the mask over sequence-parallel ranks only on the first pipeline stage (under
+          ``pre_process``); later stages get this rank's [b, s / TP] slice;
+        - with the expert bias on the router cannot take it (``routing.router_takes_padding_mask``): the
+          Transformer Engine spec's plain MoELayer would hand it over, so it gets none."""
+        from gspo_megatron.megatron.routing import router_takes_padding_mask
+
+        if self.layer_spec == "te" and not router_takes_padding_mask(self.module.config):
+            return None
+        first_stage = self.groups.pp_size == 1 or dist.get_rank(self.groups.pipeline) == 0
+        if self.groups.sequence_parallel is not None and not first_stage and self.groups.tp_size > 1:
+            local = mask.shape[1] // self.groups.tp_size
+            return mask[:, self.groups.tp_rank * local:(self.groups.tp_rank + 1) * local]
+        return mask
 
     @property
     def _cp_group(self):

@@ -80,6 +80,15 @@ def moe_layer_index(config) -> dict[int, int]:
     return {layer: j for j, layer in enumerate(moe_layer_numbers(config))}
 
 
+def router_takes_padding_mask(config) -> bool:
+    """Whether megatron-core 0.16.1's TopKRouter can be given ``GPTModel.forward``'s padding mask (which keeps
+    padded tokens out of its aux-loss token counts and z-loss). Not with the expert bias on (DeepSeek-V3,
+    GLM-4.5): ``TopKRouter._apply_expert_bias`` (transformer/moe/router.py, 0.16.1) computes
+    ``routing_map [tokens, experts] & ~padding_mask [tokens]`` in every training forward and fails.
+    config: the model's TransformerConfig."""
+    return not config.moe_router_enable_expert_bias
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward pass: a forward seen then is an activation
     recomputation (Megatron's recompute, torch checkpoint), not a new micro-batch."""
@@ -355,22 +364,34 @@ def enable_router_replay(model) -> dict[int, torch.nn.Module]:
     return routers
 
 
-def experts_to_batch(samples: Sequence[Tensor], seq_len: int, *, num_experts: int,
-                     fill: Tensor | None = None) -> Tensor:
+def padding_experts(num_tokens: int, top_k: int, num_experts: int) -> Tensor:
+    """[num_tokens, top_k] int64 experts for tokens that carry no record (padding): token t gets experts
+    (t * top_k + j) % num_experts, j < top_k -- distinct within a token (top_k <= num_experts), and over
+    consecutive tokens a walk around all experts, so each expert receives the same count to within one.
+
+    Replay routes padding tokens like real ones, and an EP rank holds a contiguous block of experts: one
+    fixed set (0 .. top_k-1) would send every padded token to EP rank 0 and its dispatch buffers. Deterministic:
+    a pure function of the count."""
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"padding_experts: top_k={top_k} must be in [1, num_experts={num_experts}]")
+    return (torch.arange(num_tokens).unsqueeze(1) * top_k + torch.arange(top_k)) % num_experts
+
+
+def experts_to_batch(samples: Sequence[Tensor], seq_len: int, *, num_experts: int) -> Tensor:
     """Pad per-sample expert records into one micro-batch: [b, seq_len, num_moe_layers, top_k] int64.
 
-    samples: b tensors [R_i, num_moe_layers, top_k], row p = model input position p of sample i (the
-             per-sample contract in the module doc: R3 from the rollout engine, or R2 rows sliced from
+    samples: b tensors [R_i, num_moe_layers, top_k] (any int dtype), row p = model input position p of sample i
+             (the per-sample contract in the module doc: R3 from the rollout engine, or R2 rows sliced from
              ``RoutingRecorder.routed_experts``), right-aligned with padding like ``input_ids``.
-    Positions p >= R_i (the last token, which an engine never feeds, and right padding) get ``fill``
-    ([top_k], default experts 0..top_k-1): under causal attention they influence no earlier position,
-    so no response log-prob depends on them.
+    Positions p >= R_i (the last token, which an engine never feeds, and right padding) get
+    ``padding_experts`` in batch-major order, the same on every layer: under causal attention they
+    influence no earlier position, so no response log-prob depends on them.
     """
     if not samples:
         raise ValueError("experts_to_batch: no samples")
     _, n_layers, k = samples[0].shape
-    fill = torch.arange(k) if fill is None else fill.to(torch.long)
-    out = fill.view(1, 1, 1, k).expand(len(samples), seq_len, n_layers, k).clone()
+    out = torch.empty(len(samples), seq_len, n_layers, k, dtype=torch.long)
+    padded = torch.ones(len(samples), seq_len, dtype=torch.bool)
     for i, rows in enumerate(samples):
         if rows.dim() != 3 or rows.shape[1:] != (n_layers, k):
             raise ValueError(f"experts_to_batch: sample {i} has shape {tuple(rows.shape)}, expected [R, {n_layers}, {k}]")
@@ -381,6 +402,9 @@ def experts_to_batch(samples: Sequence[Tensor], seq_len: int, *, num_experts: in
             raise ValueError(f"experts_to_batch: sample {i} has expert ids outside [0, {num_experts}) "
                              f"(min {int(rows.min())}, max {int(rows.max())}); NO_EXPERT rows cannot be replayed")
         out[i, :rows.shape[0]] = rows
+        padded[i, :rows.shape[0]] = False
+    fill = padding_experts(int(padded.sum()), k, num_experts)  # [padded tokens, k]
+    out[padded] = fill.unsqueeze(1).expand(-1, n_layers, k)
     return out
 
 

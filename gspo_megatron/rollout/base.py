@@ -67,6 +67,8 @@ class Sample:
         tokens the model sampled, False on the tool-output and chat-template tokens inserted between its
         turns (their ``logprobs`` are 0.0). None: every token was sampled.
     tool_stats: optional counters of a trajectory (turns, tool_calls, tool_errors, ...: ``agent_loop.STAT_KEYS``).
+    routing_key: set by the trainer when it has taken the routed experts out for the data-parallel gather:
+        (data-parallel rank, index) of the rank that holds them (trainer/routing_exchange.py).
     """
 
     prompt_index: int
@@ -77,6 +79,7 @@ class Sample:
     prompt_routed_experts: torch.Tensor | None = None
     response_mask: list[bool] | None = None
     tool_stats: dict[str, int] | None = None
+    routing_key: tuple[int, int] | None = None
 
     def all_routed_experts(self) -> torch.Tensor | None:
         """[P + T - 1, num_moe_layers, top_k]: the experts of every fed position, prompt then response."""
@@ -86,6 +89,44 @@ class Sample:
             raise ValueError(f"sample of prompt {self.prompt_index}: routed_experts without prompt_routed_experts; "
                              "the engine did not report the prompt positions' experts")
         return torch.cat([self.prompt_routed_experts.to(self.routed_experts.dtype), self.routed_experts])
+
+
+def expert_id_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest integer dtype that holds expert ids 0 .. num_experts - 1: uint8 up to 256 experts (every
+    model this project trains: Qwen3-30B-A3B 128, DeepSeek-V3 256, GLM-4.5 160), int16 up to 32768. Routed
+    experts are kept and gathered in it: per token they cost num_moe_layers x top_k bytes instead of the
+    engine's int32 (Qwen3-30B-A3B: 48 x 8 = 384 bytes instead of 1536)."""
+    if num_experts < 1:
+        raise ValueError(f"expert_id_dtype: num_experts must be >= 1, got {num_experts}")
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 1 << 15:
+        return torch.int16
+    raise ValueError(f"expert_id_dtype: {num_experts} experts do not fit int16 ids")
+
+
+def compact_routed_experts(samples: Sequence["Sample"], num_experts: int) -> list["Sample"]:
+    """``samples`` with their routed experts (response and prompt rows) in ``expert_id_dtype(num_experts)``.
+    A prompt record shared by the samples of a group stays shared (one tensor, pickled once when gathered).
+    Samples without routed experts are returned as they are. Ids outside [0, num_experts) are refused."""
+    if all(s.routed_experts is None for s in samples):
+        return list(samples)
+    dtype = expert_id_dtype(num_experts)
+    converted: dict[int, torch.Tensor] = {}
+
+    def compact(ids: torch.Tensor | None) -> torch.Tensor | None:
+        if ids is None or ids.dtype == dtype:
+            return ids
+        if id(ids) not in converted:
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+                raise ValueError(f"routed experts: ids outside [0, {num_experts}) (min {int(ids.min())}, "
+                                 f"max {int(ids.max())}); does the engine serve the trained model?")
+            converted[id(ids)] = ids.to(dtype)
+        return converted[id(ids)]
+
+    return [s if s.routed_experts is None else dataclasses.replace(
+        s, routed_experts=compact(s.routed_experts), prompt_routed_experts=compact(s.prompt_routed_experts))
+        for s in samples]
 
 
 class RolloutEngine(abc.ABC):

@@ -169,12 +169,14 @@ class SGLangConfig:
     prompts_per_request: int = 16
     concurrent_requests_per_server: int = 8
     router: RouterKind = "least_loaded"
-    # Routed experts (R3): [layers, top_k] of SGLang's capture; 0 = read config.json of the model.
     # Tensor (colocated) sync only: release the servers' weights, KV cache and CUDA graphs while the
     # trainer updates on the same GPUs; needs servers started with --enable-memory-saver.
     release_memory: bool = True
+    # Routed experts (R3): [layers, top_k] of SGLang's capture (layers = num_hidden_layers: SGLang indexes them
+    # by global layer) and how many first layers are dense (not replayed); 0 = read config.json of the model.
     routed_experts_layers: int = 0
     routed_experts_top_k: int = 0
+    routed_experts_first_dense_layers: int = 0
 
     def validate(self, path: str) -> None:
         check(bool(self.urls) != (self.launch is not None), f"{path}.urls",
@@ -222,6 +224,7 @@ class SGLangConfig:
         check(self.concurrent_requests_per_server >= 1, f"{path}.concurrent_requests_per_server", "must be >= 1")
         check(self.routed_experts_layers >= 0, f"{path}.routed_experts_layers", "must be >= 0")
         check(self.routed_experts_top_k >= 0, f"{path}.routed_experts_top_k", "must be >= 0")
+        check(self.routed_experts_first_dense_layers >= 0, f"{path}.routed_experts_first_dense_layers", "must be >= 0")
 
 
 __all__ = ["CPU_FLAGS", "CPU_MAX_TOTAL_TOKENS", "LaunchDevice", "MEMORY_TAGS", "QUANTIZED_SYNC_REFUSAL", "SGLangConfig", "SGLangDistributedSyncConfig", "SGLangLaunchConfig",

@@ -34,7 +34,8 @@ from gspo_megatron.rollout.sglang_config import MEMORY_TAGS, QUANTIZED_SYNC_REFU
 from gspo_megatron.rollout.sglang_cpu import cpu_server_env, libcuda_standin_dir
 from gspo_megatron.rollout.sglang_http import (RetriesExhausted, RetryPolicy, ServerBusy, ServerRejected,
                                                ServerUnreachable, call_with_retry, request)
-from gspo_megatron.rollout.sglang_protocol import (ServerInfo, build_generate_request, context_refusal, launch_command,
+from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.rollout.sglang_protocol import (RoutedExpertsLayout, ServerInfo, build_generate_request, context_refusal, launch_command,
                                                    launch_env, parse_generate_response, parse_server_info)
 from gspo_megatron.rollout.sglang_server import ServerProcess, ServerStartError, probe_health, wait_healthy
 from gspo_megatron.rollout.sglang_weight_sync import (DiskCheckpointWriter, NamedTensors, TrainerBroadcastGroup,
@@ -355,18 +356,18 @@ class SGLangEngine(RolloutEngine):
             raise RolloutInputError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
         if self._sync is not None:
             raise SGLangEngineError("generate called in the middle of a weight sync (no final=True update yet)")
-        routed_shape = self._routed_experts_shape() if params.return_routed_experts else None
+        routed_layout = self._routed_experts_layout() if params.return_routed_experts else None
         # Seeds need one request per sample; so does a deterministic server, whose seedless requests all use seed 42.
         seeded = params.seed is not None or any(s.info.deterministic for s in self.slots if not s.dead)
         step = self.cfg.prompts_per_request
         chunks = [list(range(i, min(i + step, len(prompts)))) for i in range(0, len(prompts), step)]
         futures = [self._pool.submit(self._generate_chunk, prompts, chunk, samples_per_prompt, params, seeded,
-                                     routed_shape) for chunk in chunks]
+                                     routed_layout) for chunk in chunks]
         concurrent.futures.wait(futures)
         return [sample for future in futures for sample in future.result()]
 
     def _generate_chunk(self, prompts: Sequence[Sequence[int]], chunk: list[int], g: int, params: SamplingParams,
-                        seeded: bool, routed_shape: tuple[int, int] | None) -> list[Sample]:
+                        seeded: bool, routed_layout: RoutedExpertsLayout | None) -> list[Sample]:
         req = build_generate_request(prompts, chunk, g, params, seeded=seeded)
         where = f"/generate of prompts {chunk[0]}..{chunk[-1]}"
         start = self._clock()
@@ -400,16 +401,24 @@ class SGLangEngine(RolloutEngine):
                 raise SGLangEngineError(f"{where}: rejected by the server (not retried: a malformed request or a bad "
                                         f"input): {err}") from err
             self._release(slot)
-            return parse_generate_response(response, req, prompts, routed_experts_shape=routed_shape,
+            return parse_generate_response(response, req, prompts, routed_experts_layout=routed_layout,
                                            where=f"{slot.url}{where}")
 
-    def _routed_experts_shape(self) -> tuple[int, int]:
+    def _routed_experts_layout(self) -> RoutedExpertsLayout:
+        """SGLang's routed-experts layout (global layers) and the model's MoE layers, from
+        ``routed_experts_layers`` / ``routed_experts_top_k`` / ``routed_experts_first_dense_layers`` when the
+        first two are set, else from the model's config.json through the project's own model config (the
+        rule the trainer's ``moe_layer_numbers`` follows)."""
         missing = [s.url for s in self.slots if not s.dead and not s.info.routed_experts]
         if missing:
             raise SGLangEngineError("return_routed_experts needs servers started with --enable-return-routed-experts "
                                     f"(launch.enable_return_routed_experts); these are not: {missing}")
         if self.cfg.routed_experts_layers and self.cfg.routed_experts_top_k:
-            return self.cfg.routed_experts_layers, self.cfg.routed_experts_top_k
+            if self.cfg.routed_experts_first_dense_layers >= self.cfg.routed_experts_layers:
+                raise SGLangEngineError(f"routed_experts_first_dense_layers={self.cfg.routed_experts_first_dense_layers} "
+                                        f"leaves no MoE layer of routed_experts_layers={self.cfg.routed_experts_layers}")
+            return RoutedExpertsLayout.from_first_dense(self.cfg.routed_experts_layers, self.cfg.routed_experts_top_k,
+                                                        self.cfg.routed_experts_first_dense_layers)
         config_path = Path(self._config_dir()) / "config.json"
         if not self._config_dir() or not config_path.exists():
             raise SGLangEngineError("return_routed_experts: set routed_experts_layers and routed_experts_top_k "
@@ -417,7 +426,9 @@ class SGLangEngine(RolloutEngine):
         hf = json.loads(config_path.read_text())
         if "num_experts_per_tok" not in hf:
             raise SGLangEngineError(f"{config_path}: no num_experts_per_tok; not an MoE model, routed experts undefined")
-        return hf["num_hidden_layers"], hf["num_experts_per_tok"]
+        model = ModelConfig.from_hf_dict(hf, source=str(config_path))
+        moe_layers = tuple(i for i, is_moe in enumerate(model.moe_layer_pattern()) if is_moe)
+        return RoutedExpertsLayout(hf["num_hidden_layers"], hf["num_experts_per_tok"], moe_layers)
 
     # ------------------------------------------------------------------ overlapped rollouts
 

@@ -119,12 +119,47 @@ def parse_finish_reason(value: Any, where: str) -> tuple[FinishReason, int | Non
     return value["type"], matched if isinstance(matched, int) and not isinstance(matched, bool) else None
 
 
+@dataclasses.dataclass(frozen=True)
+class RoutedExpertsLayout:
+    """What SGLang's routed experts hold, and which of their layers the trainer replays.
+
+    SGLang 0.5.23 captures routed experts by *global* layer id (srt/state_capturer/routed_experts.py: a
+    buffer [tokens, num_hidden_layers, num_experts_per_tok], ``capture(layer_id, ...)`` from each MoE layer);
+    the rows of dense layers (DeepSeek-V3's and GLM-4.5's ``first_k_dense_replace`` first layers) are never
+    written and hold zeros. The trainer's per-sample layout is by MoE-layer position
+    ([R, num_moe_layers, top_k], megatron/routing.py), so the MoE layers' columns are selected.
+
+    num_layers: the capture's layer axis, the model's ``num_hidden_layers``;
+    top_k:      ``num_experts_per_tok``;
+    moe_layers: global indices (0-based, ascending) of the MoE layers: the trainer's MoE layer j is
+                SGLang's layer ``moe_layers[j]``.
+    """
+
+    num_layers: int
+    top_k: int
+    moe_layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1 or self.top_k < 1:
+            raise ValueError(f"RoutedExpertsLayout: num_layers={self.num_layers} and top_k={self.top_k} must be >= 1")
+        if not self.moe_layers or list(self.moe_layers) != sorted(set(self.moe_layers)) or not (
+                0 <= self.moe_layers[0] and self.moe_layers[-1] < self.num_layers):
+            raise ValueError(f"RoutedExpertsLayout: moe_layers {list(self.moe_layers)} must be distinct ascending "
+                             f"layer indices in [0, {self.num_layers})")
+
+    @classmethod
+    def from_first_dense(cls, num_layers: int, top_k: int, first_dense_layers: int) -> "RoutedExpertsLayout":
+        """Every layer from ``first_dense_layers`` on is MoE (the rule of every family this project trains:
+        ModelConfig.is_moe_layer)."""
+        return cls(num_layers, top_k, tuple(range(first_dense_layers, num_layers)))
+
+
 def decode_routed_experts(encoded: str, *, rows: int, layers: int, top_k: int, where: str) -> torch.Tensor:
-    """``meta_info.routed_experts`` -> int32 tensor [rows, layers, top_k].
+    """``meta_info.routed_experts`` -> int32 tensor [rows, layers, top_k], every layer of the model.
 
     SGLang sends base64 of a C-order int32 array (tokenizer_manager: pybase64.b64encode(t.numpy().tobytes()))
-    with one row per position fed through the model, i.e. prompt + response - 1 rows
-    (layers/moe/routed_experts_capturer.py buffers are [tokens, num_hidden_layers, num_experts_per_tok]).
+    with one row per position fed through the model, i.e. prompt + response - 1 rows, and one column per
+    *global* layer (``RoutedExpertsLayout``).
     """
     raw = base64.b64decode(encoded, validate=True)
     expected = rows * layers * top_k * 4
@@ -135,8 +170,16 @@ def decode_routed_experts(encoded: str, *, rows: int, layers: int, top_k: int, w
     return torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(rows, layers, top_k).clone()
 
 
+def moe_layer_columns(full: torch.Tensor, layout: RoutedExpertsLayout) -> torch.Tensor:
+    """[rows, num_layers, top_k] (global layers, SGLang's capture) -> [rows, num_moe_layers, top_k]: the
+    MoE layers' columns in model order, the trainer's per-sample layout."""
+    if full.dim() != 3 or full.shape[1:] != (layout.num_layers, layout.top_k):
+        raise ValueError(f"moe_layer_columns: expected [rows, {layout.num_layers}, {layout.top_k}], got {tuple(full.shape)}")
+    return full[:, list(layout.moe_layers)].contiguous()
+
+
 def parse_output(output: Any, *, prompt_index: int, prompt_len: int, where: str,
-                 routed_experts_shape: tuple[int, int] | None) -> Sample:
+                 routed_experts_layout: RoutedExpertsLayout | None) -> Sample:
     """One element of the /generate response list -> Sample.
 
     Element shape (tokenizer_manager._handle_batch_output): {"output_ids": [int], "meta_info": {...},
@@ -174,12 +217,14 @@ def parse_output(output: Any, *, prompt_index: int, prompt_len: int, where: str,
         # Catches a grouping mistake: the output does not belong to the prompt we think it does.
         raise SGLangProtocolError(f"{where}: prompt_tokens={prompt_tokens} but prompt {prompt_index} has {prompt_len} tokens")
     routed = prompt_routed = None
-    if routed_experts_shape is not None:
+    if routed_experts_layout is not None:
         encoded = meta.get("routed_experts")
         if not isinstance(encoded, str):
             raise SGLangProtocolError(f"{where}: meta_info.routed_experts missing; start the server with --enable-return-routed-experts")
-        layers, top_k = routed_experts_shape
-        full = decode_routed_experts(encoded, rows=prompt_len + len(ids) - 1, layers=layers, top_k=top_k, where=where)
+        layout = routed_experts_layout
+        full = decode_routed_experts(encoded, rows=prompt_len + len(ids) - 1, layers=layout.num_layers,
+                                     top_k=layout.top_k, where=where)
+        full = moe_layer_columns(full, layout)
         # Row p routes input position p; response token t was produced at position prompt_len - 1 + t.
         routed, prompt_routed = full[prompt_len - 1:], full[:prompt_len - 1]
     return Sample(prompt_index=prompt_index, response_ids=ids, logprobs=logprobs,
@@ -187,7 +232,7 @@ def parse_output(output: Any, *, prompt_index: int, prompt_len: int, where: str,
 
 
 def parse_generate_response(response: Any, request: GenerateRequest, prompts: Sequence[Sequence[int]], *,
-                            routed_experts_shape: tuple[int, int] | None, where: str) -> list[Sample]:
+                            routed_experts_layout: RoutedExpertsLayout | None, where: str) -> list[Sample]:
     """The JSON list of a batched /generate call -> Samples grouped by prompt, in prompt order."""
     g = request.samples_per_prompt
     expected = len(request.prompt_indices) * g
@@ -198,7 +243,7 @@ def parse_generate_response(response: Any, request: GenerateRequest, prompts: Se
     for k, output in enumerate(response):
         prompt_index = request.prompt_indices[k // g]  # both expansions are prompt-major (see build_generate_request)
         samples.append(parse_output(output, prompt_index=prompt_index, prompt_len=len(prompts[prompt_index]),
-                                    where=f"{where}[{k}]", routed_experts_shape=routed_experts_shape))
+                                    where=f"{where}[{k}]", routed_experts_layout=routed_experts_layout))
     return samples
 
 
@@ -302,6 +347,6 @@ def launch_env(cfg: SGLangLaunchConfig, device_env: Mapping[str, str] | None = N
 
 __all__ = ["CONTEXT_REFUSALS", "GenerateRequest", "SGLangProtocolError", "ServerInfo", "build_generate_request",
            "context_refusal",
-           "decode_routed_experts", "launch_command", "launch_env", "parse_finish_reason",
+           "RoutedExpertsLayout", "decode_routed_experts", "moe_layer_columns", "launch_command", "launch_env", "parse_finish_reason",
            "parse_generate_response", "parse_output", "parse_server_info", "sample_seed",
            "sampling_params_body"]

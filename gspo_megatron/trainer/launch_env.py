@@ -325,7 +325,7 @@ def resolve_launch(environ: Mapping[str, str]) -> LaunchEnv:
 
 def export_for_torch(launch: LaunchEnv, environ: Mapping[str, str]) -> dict[str, str]:
     """The variables ``torch.distributed.init_process_group(init_method="env://")`` reads (plus the local
-    ones Megatron and CUDA device selection use), for ``os.environ.update``.
+    ones Megatron and CUDA device selection use, and ``gloo_socket_ifname``), for ``os.environ.update``.
 
     A variable already in ``environ`` with a different value is an error naming it: two launchers
     disagreeing about the rank is never something to paper over.
@@ -343,7 +343,26 @@ def export_for_torch(launch: LaunchEnv, environ: Mapping[str, str]) -> dict[str,
     for name, value in wanted.items():
         if name in environ and environ[name].strip() != value:
             raise LaunchEnvError(f"{name}={environ[name]!r} in the environment, but the launch says {value!r}")
-    return wanted
+    return {**wanted, **gloo_socket_ifname(environ)}
+
+
+# NCCL_SOCKET_IFNAME's forms that name interfaces exactly: a comma-separated list without NCCL's "^" (exclude)
+# or "=" (exact match) prefix
+_PLAIN_IFNAMES = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
+
+
+def gloo_socket_ifname(environ: Mapping[str, str]) -> dict[str, str]:
+    """``{"GLOO_SOCKET_IFNAME": ...}`` taken from ``NCCL_SOCKET_IFNAME`` when only the latter is set, else {}.
+
+    The trainer's gloo collectives (the CPU side of checkpoints and of the data-parallel gathers) pick their
+    interface from the host name unless ``GLOO_SOCKET_IFNAME`` names one; on nodes with several networks
+    that can be one the other nodes cannot reach, while NCCL (told by the site's ``NCCL_SOCKET_IFNAME``) works.
+    Gloo takes exact interface names only, so NCCL's ``^``-exclude and ``=``-exact forms are not copied
+    (set GLOO_SOCKET_IFNAME yourself then)."""
+    nccl = environ.get("NCCL_SOCKET_IFNAME", "").strip()
+    if "GLOO_SOCKET_IFNAME" in environ or not _PLAIN_IFNAMES.fullmatch(nccl):
+        return {}
+    return {"GLOO_SOCKET_IFNAME": nccl}
 
 
 def _main(argv: list[str]) -> int:

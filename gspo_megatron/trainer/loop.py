@@ -43,6 +43,7 @@ from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_conf
 from gspo_megatron.trainer.preemption import PartialStep, fits_in_grace
 from gspo_megatron.trainer.metrics_log import SFT_METRICS_FILE, append_record, truncate_after
 from gspo_megatron.trainer.resume import resume_changes, saved_checkpoints
+from gspo_megatron.trainer.routing_exchange import RoutingHold
 from gspo_megatron.trainer.run_dir import claim as claim_run_dir
 from gspo_megatron.trainer.run_dir import on_main_rank
 from gspo_megatron.typed_config import ConfigError, to_dict
@@ -92,6 +93,7 @@ class Trainer:
                                   max_tokens_per_microbatch=config.train.max_tokens_per_microbatch,
                                   temperature=config.rollout.temperature, runtime=config.model.runtime)
         self.dp_size, self.dp_rank = self.policy.groups.dp_size, self.policy.groups.dp_rank
+        self.routing_hold = RoutingHold(self.dp_rank, self.dp_size, self.policy.groups.data_parallel)
         self.reference = None
         if config.loss.kl_coef > 0:
             # a frozen copy of the initial weights; built only when the KL term is on
@@ -329,7 +331,10 @@ class Trainer:
     def _score_and_gather(self, mine, samples, samples_per_prompt: int):
         """Rewards of this rank's samples, then the whole batch on every rank (see ``rollout``)."""
         from gspo_megatron.rollout.agent_loop import final_turn_ids
+        from gspo_megatron.rollout.base import compact_routed_experts
 
+        # R3 records stay on this rank until the step's shares are cut (routing_exchange.py), one byte per id
+        samples = self.routing_hold.keep(compact_routed_experts(samples, self.model_config.num_experts))
         # a multi-turn trajectory is scored on its final model turn (the answer), single-turn on the response
         texts = [self.tokenizer.decode(final_turn_ids(s), skip_special_tokens=True) for s in samples]
         batch = [(mine[i // samples_per_prompt], t) for i, t in enumerate(texts)]
@@ -582,6 +587,9 @@ class Trainer:
         minibatches = list(iter_minibatches(seqs, cfg.train.minibatches_per_step))
         shares = [split_for_data_parallel(mb, self.dp_size, self.dp_rank) for mb in minibatches]
         my_seqs = [q for share in shares for q in share]
+        if replay in ("r3", "auto"):  # each rank receives the engine's experts of the sequences it trains
+            self.routing_hold.deliver([[q for mb in minibatches for q in split_for_data_parallel(mb, self.dp_size, r)]
+                                       for r in range(self.dp_size)])
 
         # 4. old log-probs: recomputed by the training model (default) in one call for the whole step, or
         #    the engine's (paper section 5.4)
@@ -1057,7 +1065,7 @@ def _training_sequences(batch, advantages: torch.Tensor, with_routing: bool,
             seqs.append(TrainSequence(tokens, len(prompt.prompt_ids), advantage=a,
                                       rollout_logprobs=torch.tensor(sample.logprobs, dtype=torch.float32),
                                       routed_experts=sample.all_routed_experts() if with_routing else None,
-                                      response_mask=mask))
+                                      routing_key=sample.routing_key if with_routing else None, response_mask=mask))
     return [q for q in seqs if q.loss_tokens > 0]
 
 

@@ -84,8 +84,9 @@ def placement_worker(rank, world_size, model_config, tmp):
     finally:
         pm.to_device = real
 
-    # the mask rule: the local spec gets [1, 1, s, s] and the batch's padding mask on the batch's device (its
-    # MoE layers skip padding), TE neither (its causal type; Megatron's own MoELayer)
+    # the mask rule: the local spec gets [1, 1, s, s], TE none (its causal type); both get the batch's padding
+    # mask on the batch's device (the routers keep padding out of their aux / z losses; the local spec's MoE
+    # layers also skip it)
     class Recorder(torch.nn.Module):
         def forward(self, ids, positions, mask, padding_mask=None):
             checked["masks"].append((None if mask is None else (tuple(mask.shape), mask.device.type),
@@ -116,7 +117,7 @@ def test_every_microbatch_tensor_reaches_the_model_through_to_device(placement):
 def test_te_spec_gets_no_square_mask(placement):
     local, te = placement["masks"]
     assert local == (((1, 1, 5, 5), device.compute_device().type), ((2, 5), device.compute_device().type))
-    assert te == (None, None)
+    assert te == (None, ((2, 5), device.compute_device().type))
 
 
 # ---- collectives ----------------------------------------------------------------------------------

@@ -101,11 +101,33 @@ def test_experts_to_batch_pads_with_fill_and_checks_ids():
     batch = routing.experts_to_batch(rows, 4, num_experts=4)
     assert batch.shape == (2, 4, 1, 2) and batch.dtype == torch.long
     assert torch.equal(batch[0, :2], rows[0]) and torch.equal(batch[1, :1], rows[1])
-    assert torch.equal(batch[0, 2:], torch.tensor([0, 1]).expand(2, 1, 2))
+    pad = batch[0, 2:, 0]  # [2 padded positions, k]: distinct experts per token, not all 0..k-1
+    assert all(len(set(ids.tolist())) == 2 for ids in pad) and set(pad.reshape(-1).tolist()) == {0, 1, 2, 3}
     with pytest.raises(ValueError, match="outside \\[0, 4\\)"):
         routing.experts_to_batch([torch.tensor([[[routing.NO_EXPERT, 1]]])], 4, num_experts=4)
     with pytest.raises(ValueError, match="more than seq_len=1"):
         routing.experts_to_batch(rows, 1, num_experts=4)
+
+
+@pytest.mark.parametrize("num_experts,top_k,ep", [(8, 2, 4), (128, 8, 8), (6, 4, 3)])
+def test_padding_experts_spread_over_every_ep_rank(num_experts, top_k, ep):
+    """Padding tokens (right padding, padding rows, each sample's unfed last position) are routed by Routing
+    Replay too: with experts 0..k-1 for all of them every padded token lands on EP rank 0. They must spread
+    over all experts (hence every EP rank, each holding a contiguous block of num_experts / ep) evenly."""
+    rows = [torch.zeros(3, 2, top_k, dtype=torch.long) + torch.arange(top_k)] + [torch.empty(0, 2, top_k, dtype=torch.long)] * 3
+    batch = routing.experts_to_batch(rows, 40, num_experts=num_experts)
+    padded = torch.ones(4, 40, dtype=torch.bool)
+    padded[0, :3] = False
+    ids = batch[padded]  # [padded tokens, layers, k]
+    assert all(len(set(t.tolist())) == top_k for t in ids.reshape(-1, top_k))  # a top-k set: distinct ids
+    per_rank = torch.bincount(ids.reshape(-1) // (num_experts // ep), minlength=ep)
+    # each expert within one of the others per layer (2 layers): a rank within its expert count x 2 of the others
+    assert int(per_rank.min()) > 0 and int(per_rank.max()) - int(per_rank.min()) <= (num_experts // ep) * 2, per_rank.tolist()
+    per_expert = torch.bincount(ids[:, 0].reshape(-1), minlength=num_experts)
+    assert int(per_expert.max()) - int(per_expert.min()) <= 1, per_expert.tolist()
+    # deterministic: a pure function of the padded positions
+    assert torch.equal(batch, routing.experts_to_batch(rows, 40, num_experts=num_experts))
+    assert torch.equal(routing.padding_experts(5, top_k, num_experts), routing.padding_experts(5, top_k, num_experts))
 
 
 def test_recorded_rows_split_per_sample():
@@ -194,13 +216,16 @@ def test_replay_with_unchanged_weights_gives_the_recorded_logits(runs, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_r3_engine_rows_replay_every_fed_position(runs, layout):
     """Engine-style rows (all positions but the last) padded by experts_to_batch: every position the
-    engine routed is replayed exactly; the last one takes the fill."""
+    engine routed is replayed exactly; the last one takes ``padding_experts`` (two micro-batches of 2 rows,
+    each counting its padded tokens from 0; the recorder lists each set ascending)."""
+    config = tiny_moe_config()
+    fill = routing.padding_experts(2, config.moe_router_topk, config.num_experts).sort(dim=1).values.repeat(2, 1)
     for rank in range(2):
         out = runs[rank][layout]
         for layer, ids in out["recorded"].items():
             got = out["r3_replayed"][layer].view(4, 12, -1)
             assert torch.equal(got[:, :-1], ids.view(4, 12, -1)[:, :-1])
-            assert torch.equal(got[:, -1], torch.tensor([0, 1]).expand(4, 2))
+            assert torch.equal(got[:, -1], fill)
 
 
 @pytest.mark.distributed

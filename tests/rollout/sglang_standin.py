@@ -39,7 +39,11 @@ class StandinState:
     vocab: int = 64
     deterministic: bool = False
     memory_saver: bool = True
-    routed_experts: tuple[int, int] | None = None  # (layers, top_k) when started "with" --enable-return-routed-experts
+    # (num_hidden_layers, top_k) when started "with" --enable-return-routed-experts. Like SGLang 0.5.23
+    # (srt/state_capturer/routed_experts.py) the experts come back by global layer, [rows, num_hidden_layers,
+    # top_k]; the first ``dense_layers`` layers have no router, so their rows are never written and stay 0.
+    routed_experts: tuple[int, int] | None = None
+    dense_layers: int = 0
     num_experts: int = 8
     old_api: bool = False  # answer 404 on /server_info like SGLang before the rename
     # SGLang 0.5.23 (PR #28001): tensor and distributed updates only inside begin/end_weight_update;
@@ -128,7 +132,8 @@ def _one_output(state: StandinState, prompt: list[int], sp: dict, sample_key: in
     if want_routed:
         layers, top_k = state.routed_experts
         rows = len(prompt) + len(tokens) - 1
-        values = [(p * 7 + layer * 3 + j) % state.num_experts for p in range(rows) for layer in range(layers) for j in range(top_k)]
+        values = [0 if layer < state.dense_layers else (p * 7 + layer * 3 + j) % state.num_experts
+                  for p in range(rows) for layer in range(layers) for j in range(top_k)]
         meta["routed_experts"] = base64.b64encode(struct.pack(f"<{len(values)}i", *values)).decode()
     output_ids = tokens[:-1] if state.trim_stop_in_output_ids and reason["type"] == "stop" else tokens
     return {"output_ids": output_ids, "meta_info": meta}

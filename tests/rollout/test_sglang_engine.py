@@ -341,6 +341,31 @@ def test_routed_experts_come_back_per_response_token():
             _attach([srv]).generate(PROMPTS, 1, SamplingParams(return_routed_experts=True))
 
 
+def test_routed_experts_of_a_model_with_a_dense_first_layer_are_its_moe_layers(tmp_path):
+    # GLM-4.5's shape: layer 0 dense (first_k_dense_replace=1), layers 1..3 MoE. SGLang (and the stand-in)
+    # return [rows, num_hidden_layers=4, top_k]; the samples hold the 3 MoE layers, MoE layer j = global j + 1.
+    from tests.conversion.hf_models import family_config
+
+    model = family_config("glm4_moe")
+    assert model.num_layers == 4 and model.first_dense_layers == 1
+    (tmp_path / "config.json").write_text(json.dumps(model.to_hf_dict()))
+    top_k = model.moe_router_topk
+    state = StandinState(routed_experts=(4, top_k), dense_layers=1, num_experts=model.num_experts)
+    for overrides in ({"disk_config_dir": str(tmp_path)},
+                      {"routed_experts_layers": 4, "routed_experts_top_k": top_k, "routed_experts_first_dense_layers": 1}):
+        with StandinServer(state) as srv:
+            engine = _attach([srv], **overrides)
+            samples = engine.generate(PROMPTS[:2], 2, SamplingParams(max_new_tokens=5, return_routed_experts=True))
+        for s in samples:
+            p = len(PROMPTS[s.prompt_index])
+            assert s.routed_experts.shape == (len(s.response_ids), 3, top_k)
+            assert s.prompt_routed_experts.shape == (p - 1, 3, top_k)
+            # the stand-in writes (position*7 + global layer*3 + k) % E on MoE layers, 0 on the dense one
+            for j in range(3):
+                assert s.routed_experts[0, j].tolist() == [((p - 1) * 7 + (j + 1) * 3 + k) % model.num_experts
+                                                           for k in range(top_k)]
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="rollout.sglang.urls: set exactly one"):
         build(SGLangConfig, {}, "rollout.sglang")

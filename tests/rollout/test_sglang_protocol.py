@@ -11,7 +11,7 @@ import torch
 
 from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.rollout.sglang_config import SGLangLaunchConfig
-from gspo_megatron.rollout.sglang_protocol import (SGLangProtocolError, build_generate_request, decode_routed_experts,
+from gspo_megatron.rollout.sglang_protocol import (RoutedExpertsLayout, SGLangProtocolError, build_generate_request, decode_routed_experts,
                                                    launch_command, launch_env, parse_finish_reason,
                                                    parse_generate_response, parse_output, parse_server_info,
                                                    sample_seed, sampling_params_body)
@@ -78,7 +78,7 @@ def test_seeded_request_repeats_prompts_with_one_distinct_seed_per_sample():
 
 
 def test_parse_output_reads_the_documented_shape():
-    sample = parse_output(DOC_OUTPUT, prompt_index=3, prompt_len=5, where="t", routed_experts_shape=None)
+    sample = parse_output(DOC_OUTPUT, prompt_index=3, prompt_len=5, where="t", routed_experts_layout=None)
     assert sample.prompt_index == 3
     assert sample.response_ids == [12095, 13, 1084, 374]
     assert sample.logprobs == pytest.approx([-0.58, -0.11, -1.5, -0.02])
@@ -91,7 +91,7 @@ def test_stop_token_is_kept_even_when_output_ids_trim_it():
     out = copy.deepcopy(DOC_OUTPUT)
     out["meta_info"]["finish_reason"] = {"type": "stop", "matched": 374}
     out["output_ids"] = [12095, 13, 1084]
-    sample = parse_output(out, prompt_index=0, prompt_len=5, where="t", routed_experts_shape=None)
+    sample = parse_output(out, prompt_index=0, prompt_len=5, where="t", routed_experts_layout=None)
     assert sample.finish_reason == "stop" and sample.response_ids[-1] == 374 and len(sample.logprobs) == 4
 
 
@@ -108,7 +108,7 @@ def test_parse_output_rejects_malformed_outputs(mutate, message):
     out = copy.deepcopy(DOC_OUTPUT)
     mutate(out)
     with pytest.raises(SGLangProtocolError, match=message):
-        parse_output(out, prompt_index=0, prompt_len=5, where="t", routed_experts_shape=None)
+        parse_output(out, prompt_index=0, prompt_len=5, where="t", routed_experts_layout=None)
 
 
 def test_finish_reasons():
@@ -129,7 +129,7 @@ def test_routed_experts_are_decoded_and_cut_to_the_response_positions():
     # through the model = prompt + response - 1 (routed_experts_capturer buffers [tokens, layers, top_k]).
     out = copy.deepcopy(DOC_OUTPUT)
     out["meta_info"]["routed_experts"] = _routed(5 + 4 - 1, 3, 2)
-    sample = parse_output(out, prompt_index=0, prompt_len=5, where="t", routed_experts_shape=(3, 2))
+    sample = parse_output(out, prompt_index=0, prompt_len=5, where="t", routed_experts_layout=RoutedExpertsLayout(3, 2, (0, 1, 2)))
     assert sample.routed_experts.shape == (4, 3, 2) and sample.routed_experts.dtype == torch.int32
     # response token t was produced at input position prompt_len - 1 + t
     assert sample.routed_experts[0, 0, 0].item() == 400 and sample.routed_experts[3, 2, 1].item() == 721
@@ -140,7 +140,24 @@ def test_routed_experts_are_decoded_and_cut_to_the_response_positions():
         decode_routed_experts(_routed(8, 3, 2), rows=8, layers=4, top_k=2, where="t")
     out["meta_info"].pop("routed_experts")
     with pytest.raises(SGLangProtocolError, match="enable-return-routed-experts"):
-        parse_output(out, prompt_index=0, prompt_len=5, where="t", routed_experts_shape=(3, 2))
+        parse_output(out, prompt_index=0, prompt_len=5, where="t", routed_experts_layout=RoutedExpertsLayout(3, 2, (0, 1, 2)))
+
+
+def test_routed_experts_keep_the_moe_layers_of_a_model_with_dense_first_layers():
+    # SGLang 0.5.23 captures by global layer (srt/state_capturer/routed_experts.py: [tokens,
+    # num_hidden_layers, top_k]); a model with first_k_dense_replace=1 (GLM-4.5, DeepSeek-V3) has no router on
+    # layer 0. The trainer's per-sample layer j is MoE layer j = global layer j + 1.
+    out = copy.deepcopy(DOC_OUTPUT)
+    out["meta_info"]["routed_experts"] = _routed(5 + 4 - 1, 4, 2)
+    layout = RoutedExpertsLayout.from_first_dense(4, 2, first_dense_layers=1)
+    assert layout.moe_layers == (1, 2, 3)
+    sample = parse_output(out, prompt_index=0, prompt_len=5, where="t", routed_experts_layout=layout)
+    assert sample.routed_experts.shape == (4, 3, 2) and sample.prompt_routed_experts.shape == (4, 3, 2)
+    # value p*100 + layer*10 + k: MoE layer 0 of response token 0 (position 4) is global layer 1
+    assert sample.routed_experts[0, 0].tolist() == [410, 411] and sample.routed_experts[3, 2].tolist() == [730, 731]
+    assert sample.prompt_routed_experts[0, 1].tolist() == [20, 21]
+    with pytest.raises(ValueError, match="moe_layers"):
+        RoutedExpertsLayout(4, 2, (0, 4))
 
 
 def _out(prompt_len, first_token):
@@ -156,15 +173,15 @@ def test_batched_response_is_grouped_prompt_major():
     prompts = [[9] * 2, [9] * 3]
     req = build_generate_request(prompts, [0, 1], 2, SamplingParams(), seeded=False)
     response = [_out(2, 100), _out(2, 101), _out(3, 102), _out(3, 103)]
-    samples = parse_generate_response(response, req, prompts, routed_experts_shape=None, where="t")
+    samples = parse_generate_response(response, req, prompts, routed_experts_layout=None, where="t")
     assert [s.prompt_index for s in samples] == [0, 0, 1, 1]
     assert [s.response_ids[0] for s in samples] == [100, 101, 102, 103]
     # sample-major order would pair outputs with the wrong prompts: caught by prompt_tokens
     with pytest.raises(SGLangProtocolError, match="prompt_tokens"):
         parse_generate_response([response[0], response[2], response[1], response[3]], req, prompts,
-                                routed_experts_shape=None, where="t")
+                                routed_experts_layout=None, where="t")
     with pytest.raises(SGLangProtocolError, match="list of 4"):
-        parse_generate_response(response[:3], req, prompts, routed_experts_shape=None, where="t")
+        parse_generate_response(response[:3], req, prompts, routed_experts_layout=None, where="t")
 
 
 def test_server_info_reads_server_args_and_defaults_missing_flags():

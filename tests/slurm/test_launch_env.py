@@ -225,6 +225,17 @@ def test_export_for_torch() -> None:
     assert export_for_torch(resolve_launch(TORCHRUN), TORCHRUN) == TORCHRUN
 
 
+def test_gloo_takes_the_nccl_interface() -> None:
+    """Multi-node gloo (checkpoints, data-parallel gathers) needs GLOO_SOCKET_IFNAME as NCCL needs its own."""
+    launch = resolve_launch(slurm_env())
+    exported = export_for_torch(launch, {**slurm_env(), "NCCL_SOCKET_IFNAME": "ib0,ib1"})
+    assert exported["GLOO_SOCKET_IFNAME"] == "ib0,ib1"
+    # a site's own GLOO_SOCKET_IFNAME stays; NCCL's exclude / exact-match forms are not gloo names
+    assert "GLOO_SOCKET_IFNAME" not in export_for_torch(launch, {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth0"})
+    for nccl in ("^docker,lo", "=ib0", ""):
+        assert "GLOO_SOCKET_IFNAME" not in export_for_torch(launch, {"NCCL_SOCKET_IFNAME": nccl})
+
+
 def test_export_for_torch_refuses_a_conflicting_environment() -> None:
     launch = resolve_launch(slurm_env())
     with pytest.raises(LaunchEnvError, match=r"RANK='0' in the environment, but the launch says '5'"):

@@ -53,12 +53,24 @@ def replayed_step(rank, world_size, run_dir: str, mode: str, model: tuple[str, .
         return samples
 
     trainer.engine.generate = generate
-    checks = {"replayed": 0, "mismatched": 0, "free_differs": 0, "given": [], "flags": []}
+    checks = {"replayed": 0, "mismatched": 0, "free_differs": 0, "given": [], "flags": [], "dtypes": [],
+              "gathered_records": 0}
+    real_gather = trainer._score_and_gather
+
+    def score_and_gather(mine, samples, samples_per_prompt):
+        # what every data-parallel rank receives: the batch without its routed experts (they go to the
+        # rank that trains each sequence, trainer/routing_exchange.py)
+        batch, metrics = real_gather(mine, samples, samples_per_prompt)
+        checks["gathered_records"] += sum(s.routed_experts is not None for _, ss, _, _ in batch for s in ss)
+        return batch, metrics
+
+    trainer._score_and_gather = score_and_gather
     real_train = trainer.policy.train_minibatch
 
     def train_minibatch(seqs, replay=False):
         checks["flags"].append(replay)
         checks["given"].extend(q.routed_experts.clone() for q in seqs if q.routed_experts is not None)
+        checks["dtypes"].extend(str(q.routed_experts.dtype) for q in seqs if q.routed_experts is not None)
         with trainer.policy.routing_recorder() as free:  # routing the current weights would pick
             trainer.policy.compute_logprobs(seqs)
         with trainer.policy.routing_recorder() as rec:
@@ -103,9 +115,55 @@ def test_update_forwards_replay_the_recorded_experts(tmp_path, mode, ranks, mode
         assert out["free_differs"] > 0
         if mode == "r3":  # every sequence trains on exactly the engine's rows: prompt + response - 1 positions
             assert all(tuple(g.flatten().tolist()) in engine for g in out["given"])
+            assert set(out["dtypes"]) == {"torch.uint8"}  # one byte per expert id (<= 256 experts)
+            assert out["gathered_records"] == 0
         else:
             assert out["engine_rows"] == []
         assert "routing_drift" in out["metrics"] and 0.0 <= out["metrics"]["routing_drift"] <= 1.0
+
+
+def _engine_samples(layers: int, top_k: int, num_experts: int, prompt_len: int, response_lens: list[int]):
+    """One group as an engine returns it: int32 records, the prompt's rows shared by the group's samples."""
+    from gspo_megatron.rollout.base import Sample
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(n):
+        return torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(n * layers)]).view(
+            n, layers, top_k).to(torch.int32)
+
+    prompt = rows(prompt_len - 1)
+    return [Sample(prompt_index=0, response_ids=[1] * t, logprobs=[-1.0] * t, finish_reason="length",
+                   routed_experts=rows(t), prompt_routed_experts=prompt) for t in response_lens]
+
+
+@pytest.mark.parametrize("num_experts, dtype", [(128, torch.uint8), (256, torch.uint8), (257, torch.int16),
+                                                (4096, torch.int16)])
+def test_r3_payload_bytes_per_token(num_experts, dtype):
+    """What the rollout's data-parallel gather pickles (all_gather_object) for R3: one id per (token, MoE layer,
+    top-k slot) in the narrowest dtype, the group's prompt record once. Qwen3-30B-A3B's shape: 48 MoE layers, top-8."""
+    import pickle
+
+    from gspo_megatron.rollout.base import compact_routed_experts, expert_id_dtype
+
+    assert expert_id_dtype(num_experts) == dtype
+    layers, top_k, prompt_len, response_lens = 48, 8, 200, [300, 500, 700, 900]
+    samples = _engine_samples(layers, top_k, min(num_experts, 256), prompt_len, response_lens)
+    tokens = prompt_len - 1 + sum(response_lens)  # routed positions, the prompt's counted once
+    compact = compact_routed_experts(samples, num_experts)
+    assert all(s.routed_experts.dtype == dtype and s.prompt_routed_experts.dtype == dtype for s in compact)
+    assert len({id(s.prompt_routed_experts) for s in compact}) == 1  # still one shared prompt record
+    for before, after in zip(samples, compact):
+        assert torch.equal(before.all_routed_experts().long(), after.all_routed_experts().long())
+    import dataclasses
+
+    bare = len(pickle.dumps([dataclasses.replace(s, routed_experts=None, prompt_routed_experts=None) for s in samples]))
+    per_token = (len(pickle.dumps(compact)) - bare) / tokens  # what the routed experts add to the gathered payload
+    ideal = layers * top_k * dtype.itemsize
+    assert ideal <= per_token <= ideal * 1.01, (per_token, ideal)
+    assert (len(pickle.dumps(samples)) - bare) / tokens >= layers * top_k * 4  # the engine's int32
+    with pytest.raises(ValueError, match="outside"):
+        compact_routed_experts(samples, 4)
 
 
 def test_r3_config_checks():
