@@ -149,3 +149,19 @@ def test_cp_config_is_accepted_and_what_has_not_run_is_refused_by_name():
     # Transformer Engine's CP algorithm reaches Megatron's config (GPU); unused, and unset, at CP 1
     assert transformer_config(tiny_moe_config(), ParallelConfig(context_parallel=2, cp_comm_type="a2a")).cp_comm_type == "a2a"
     assert transformer_config(tiny_moe_config(), ParallelConfig()).cp_comm_type is None
+
+
+@pytest.mark.distributed
+def test_cp_attention_runs_without_the_torch_213_collective_names():
+    """The lent GPU machines run torch 2.11 and setup.py admits 2.6: ``all_gather_single`` /
+    ``reduce_scatter_single`` first appear in 2.13. With them removed from ``torch.distributed`` the CP = 2
+    attention still runs, equal to the one-process attention, gradients included (the backward is the
+    reduce-scatter)."""
+    from tests.megatron.cp_workers import cp_attention_without_torch_213_names
+
+    for out in run_distributed(cp_attention_without_torch_213_names, 2, ()):
+        assert out["names_present"] == [False, False]
+        torch.testing.assert_close(out["out"], out["ref_out"], rtol=1e-5, atol=1e-6)
+        for got, want in zip(out["grads"], out["ref_grads"]):
+            assert want.abs().sum() > 0
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
