@@ -565,11 +565,16 @@ class PolicyModel:
         (lazily created) Adam state first, so the load has somewhere to put it."""
         model_state = sharding.sharded_state_dict(self.module, prefix="model.")  # loads into either spec
         # Name optimizer tensors by their parameters only (no "chained_N." prefix for the dense/expert
-        # optimizer pair that EP creates) and, for the distributed optimizer, in a fully reshardable
-        # format: the optimizer state then loads at another TP/EP/DP layout like the weights do.
+        # optimizer pair that EP creates) and, for the distributed optimizer, in a reshardable format: the
+        # optimizer state then loads at another TP/PP/DP layout like the weights do. megatron-core 0.16.1
+        # (optimizer/distrib_optimizer.py, sharded_state_dict) has two: ``fully_reshardable`` all-gathers the
+        # main weights and both Adam moments of every parameter onto every DP rank before the save (for
+        # Qwen3-30B-A3B on one 8-GPU node ~48 GB per rank, ~390 GB of host memory per node);
+        # ``fully_sharded_model_space`` (its default) saves each rank's own shard as flattened ranges of the
+        # parameters' global tensors, no gather and no copy, and loads at any layout the same way.
         metadata = {"chained_optim_avoid_prefix": True}
         if self.parallel.distributed_optimizer:
-            metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+            metadata["distrib_optim_sharding_type"] = "fully_sharded_model_space"
         return {"model": model_state,
                 "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata),
                 "scheduler": self.scheduler.state_dict()}

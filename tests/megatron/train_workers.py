@@ -18,6 +18,7 @@ LAYOUTS = {
     "ep2": ParallelConfig(expert_parallel=2),
     "dp2": ParallelConfig(),
     "dp2_distopt": ParallelConfig(distributed_optimizer=True),
+    "tp2_distopt": ParallelConfig(tensor_parallel=2, distributed_optimizer=True),  # DP = 1
     "cp2": ParallelConfig(context_parallel=2),
 }
 
@@ -194,3 +195,25 @@ def replay_rollout_routing(rank, world_size, model_config, layout: str) -> dict:
     out["free_after"], out["replayed_after"] = free.routed_experts(), replayed.routed_experts()
     out["plan"] = policy._local_plan(seqs)
     return out
+
+
+def optimizer_checkpoint_bytes(rank, world_size, model_config) -> dict:
+    """What one rank hands to the checkpoint save for the distributed optimizer's state at DP = 2, after one
+    step: the elements of the optimizer's ShardedTensors (main weights and both Adam moments) against the
+    elements of this rank's model parameters. Gathering formats hold every parameter's state on every rank
+    (ratio 3); a sharded one holds this rank's 1 / DP of it (ratio 3 / DP)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    initialize_model_parallel(LAYOUTS["dp2_distopt"], seed=0)
+    policy = PolicyModel(model_config, LAYOUTS["dp2_distopt"], OptimizerConfig(lr=1e-2), LossConfig())
+    sharding.load_full_state_dict(policy.module, canonical_weights(model_config, seed=1))
+    seqs = make_sequences(model_config)
+    for q, o in zip(seqs, policy.compute_logprobs(seqs)):
+        q.old_logprobs = o["logprobs"] + 0.002
+    policy.train_minibatch(split_for_data_parallel(seqs, world_size, rank))
+    state = policy.sharded_state_dict()
+    optimizer = [t for t in nested_values(state["optimizer"]) if isinstance(t, ShardedTensor)]
+    return {"optimizer_elements": sum(t.data.numel() for t in optimizer),
+            "param_elements": sum(p.numel() for p in policy.module.parameters()),
+            "sharding_type": state["optimizer"]["param_state_sharding_type"]}
