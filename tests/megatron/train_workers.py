@@ -18,7 +18,6 @@ LAYOUTS = {
     "ep2": ParallelConfig(expert_parallel=2),
     "dp2": ParallelConfig(),
     "dp2_distopt": ParallelConfig(distributed_optimizer=True),
-    "tp2_distopt": ParallelConfig(tensor_parallel=2, distributed_optimizer=True),  # DP = 1
     "cp2": ParallelConfig(context_parallel=2),
 }
 
@@ -217,3 +216,44 @@ def optimizer_checkpoint_bytes(rank, world_size, model_config) -> dict:
     return {"optimizer_elements": sum(t.data.numel() for t in optimizer),
             "param_elements": sum(p.numel() for p in policy.module.parameters()),
             "sharding_type": state["optimizer"]["param_state_sharding_type"]}
+
+
+def _distopt_step(policy: PolicyModel, model_config) -> dict:
+    from megatron.core import parallel_state as ps
+
+    seqs = make_sequences(model_config)
+    for q, o in zip(seqs, policy.compute_logprobs(seqs)):
+        q.old_logprobs = o["logprobs"] + 0.002
+    mine = split_for_data_parallel(seqs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+    return policy.train_minibatch(mine)
+
+
+def _distopt_policy(model_config, seed: int) -> PolicyModel:
+    initialize_model_parallel(LAYOUTS["dp2_distopt"], seed=seed)
+    return PolicyModel(model_config, LAYOUTS["dp2_distopt"], OptimizerConfig(lr=1e-2, warmup_steps=2), LossConfig())
+
+
+def distopt_save_at_dp2(rank, world_size, model_config, directory: str) -> dict:
+    """Two Adam steps with the distributed optimizer on ``world_size`` DP ranks, a checkpoint after the first;
+    returns the weights after each step and the second step's lr."""
+    from gspo_megatron.megatron import checkpoint as ckpt
+
+    policy = _distopt_policy(model_config, 0)
+    sharding.load_full_state_dict(policy.module, canonical_weights(model_config, seed=1))
+    _distopt_step(policy, model_config)
+    ckpt.save(policy.sharded_state_dict(), f"{directory}/state")
+    after_first = sharding.full_state_dict(policy.module, model_config.vocab_size)
+    second = _distopt_step(policy, model_config)
+    return {"after_first": after_first, "weights": sharding.full_state_dict(policy.module, model_config.vocab_size),
+            "lr": second["lr"]}
+
+
+def distopt_resume_at_dp1(rank, world_size, model_config, directory: str) -> dict:
+    """The checkpoint of ``distopt_save_at_dp2`` loaded at this run's DP size (another init seed: everything
+    must come from the checkpoint), then the second step."""
+    from gspo_megatron.megatron import checkpoint as ckpt
+
+    policy = _distopt_policy(model_config, 7)
+    policy.load_sharded_state_dict(ckpt.load(policy.sharded_state_dict(is_loading=True), f"{directory}/state"))
+    second = _distopt_step(policy, model_config)
+    return {"weights": sharding.full_state_dict(policy.module, model_config.vocab_size), "lr": second["lr"]}
