@@ -580,13 +580,13 @@ class PolicyModel:
                 "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata),
                 "scheduler": self.scheduler.state_dict()}
 
+    # no_grad: the distributed optimizer's dp_reshardable load copies into the main weights in place
+    # (megatron-core 0.16.1 _set_main_param_and_optimizer_states); in fp32 those are the model's own
+    # parameters, leaves that require grad, and autograd refuses an in-place copy into them
+    @torch.no_grad()
     def load_sharded_state_dict(self, state: dict) -> None:
         sharding.load_module_state(self.module, state["model"], prefix="model.")
-        # dp_reshardable's load copies into the main weights in place (megatron-core 0.16.1
-        # _set_main_param_and_optimizer_states); in fp32 those are the model's own parameters (leaves that
-        # require grad), so the copy must not be recorded by autograd
-        with torch.no_grad():
-            self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])
         # the loaded parameter groups carry the checkpoint's settings: the config's are in effect (a resume
         # applies changed optimizer.* settings, trainer/resume.py). The scheduler sets each group's lr from
         # its max_lr / min_lr, and takes the config's schedule too (override_opt_param_scheduler).
