@@ -565,25 +565,15 @@ class PolicyModel:
         (lazily created) Adam state first, so the load has somewhere to put it."""
         model_state = sharding.sharded_state_dict(self.module, prefix="model.")  # loads into either spec
         # Name optimizer tensors by their parameters only (no "chained_N." prefix for the dense/expert
-        # optimizer pair that EP creates). The distributed optimizer saves ``dp_reshardable``: each rank
-        # writes its own shard of the main weights and Adam moments as views of its buffers, no gather, no
-        # copy, and the state loads at another data-parallel size (same TP/PP/EP). Of megatron-core 0.16.1's
-        # other types (optimizer/distrib_optimizer.py, sharded_state_dict), ``fully_reshardable`` all-gathers
-        # every parameter's three fp32 states onto every DP rank's host before the save (Qwen3-30B-A3B on one
-        # 8-GPU node: ~48 GB per rank, ~390 GB per node; its gloo "mem_efficient" variant needs the gloo
-        # groups this project does not create), and ``fully_sharded_model_space`` is refused by 0.16.1's
-        # ShardedTensor ("flattened_range is not supported").
+        # optimizer pair that EP creates) and, for the distributed optimizer, in a fully reshardable
+        # format: the optimizer state then loads at another TP/EP/DP layout like the weights do.
         metadata = {"chained_optim_avoid_prefix": True}
         if self.parallel.distributed_optimizer:
-            metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+            metadata["distrib_optim_sharding_type"] = "fully_reshardable"
         return {"model": model_state,
                 "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata),
                 "scheduler": self.scheduler.state_dict()}
 
-    # no_grad: the distributed optimizer's dp_reshardable load copies into the main weights in place
-    # (megatron-core 0.16.1 _set_main_param_and_optimizer_states); in fp32 those are the model's own
-    # parameters, leaves that require grad, and autograd refuses an in-place copy into them
-    @torch.no_grad()
     def load_sharded_state_dict(self, state: dict) -> None:
         sharding.load_module_state(self.module, state["model"], prefix="model.")
         self.optimizer.load_state_dict(state["optimizer"])
