@@ -63,8 +63,7 @@ def resolve_layer_spec(choice: str, cuda: bool | None = None, te_installed: bool
     """``te`` or ``local`` for ``model.layer_spec`` ``choice`` on this machine; ``te`` where it cannot run
     is an error naming the field."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    # without CUDA the answer is local (or an error) whatever TE is: megatron-core is not asked
-    te_installed = (cuda and transformer_engine_available()) if te_installed is None else te_installed
+    te_installed = transformer_engine_available() if te_installed is None else te_installed
     if choice == "auto":
         return "te" if cuda and te_installed else "local"
     if choice == "te" and not (cuda and te_installed):
