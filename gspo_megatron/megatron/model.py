@@ -26,7 +26,8 @@ class ModelRuntime:
     recompute: Megatron's activation recomputation: ``selective`` recomputes core attention (and the MoE
         activation with grouped GEMM), ``full`` every layer's forward (uniform, one layer per unit).
     layer_spec: ``te`` (Transformer Engine modules), ``local`` (Megatron's own modules; on CPU the
-        project's CPU spec), ``auto``: TE when CUDA is there and megatron-core imports Transformer Engine (its ``HAVE_TE``), else local.
+        project's CPU spec), ``auto``: TE when CUDA is there and megatron-core imports Transformer Engine
+        (its ``HAVE_TE``), else local.
     """
 
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
