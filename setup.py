@@ -29,7 +29,12 @@ setup(
     ],
     extras_require={
         # apex is built from source (see docs/installation.md); it is not on PyPI.
-        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.23,<0.6"],  # docs/rollout.md: protocol read in 0.5.23
+        # The GPU path (TE layer names, the clip_and_step mirror, MLA, the distributed optimizer) was read against
+        # megatron-core 0.16.1 only, so the gpu extra pins it on every Python (the base range above is what the
+        # CPU legs test); Transformer Engine takes the range megatron-core 0.16.1 declares (its METADATA,
+        # extra "dev"). docs/gpu.md, docs/installation.md.
+        "gpu": ["megatron-core==0.16.1", "transformer-engine[pytorch]>=2.9.0a0,<2.12.0",
+                "sglang>=0.5.23,<0.6"],  # docs/rollout.md: protocol read in 0.5.23
         "dev": ["pytest", "pytest-timeout", "hypothesis"],
         "wandb": ["wandb"],
     },

@@ -51,14 +51,18 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group = group
         size = dist.get_world_size(group)
         out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_single(out, x.contiguous(), group=group)
+        # all_gather_into_tensor / reduce_scatter_tensor exist in every torch setup.py admits (>= 2.6; NCCL
+        # implements both, gloo does on the CPU tests' torch 2.13); their successors all_gather_single /
+        # reduce_scatter_single first appear in torch 2.13, which only deprecates the old names (the
+        # FutureWarning is silenced in reporting.py). test_context_parallel.py runs this without the new names.
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         size = dist.get_world_size(ctx.group)
         out = torch.empty((grad.shape[0] // size, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
 
 

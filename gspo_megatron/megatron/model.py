@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from typing import Literal
 
 import torch
@@ -28,7 +27,8 @@ class ModelRuntime:
     recompute: Megatron's activation recomputation: ``selective`` recomputes core attention (and the MoE
         activation with grouped GEMM), ``full`` every layer's forward (uniform, one layer per unit).
     layer_spec: ``te`` (Transformer Engine modules), ``local`` (Megatron's own modules; on CPU the
-        project's CPU spec), ``auto``: TE when CUDA and transformer_engine are both there, else local.
+        project's CPU spec), ``auto``: TE when CUDA is there and megatron-core imports Transformer Engine
+        (its ``HAVE_TE``), else local.
     """
 
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -51,7 +51,14 @@ class ModelRuntime:
 
 
 def transformer_engine_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
+    """megatron-core's own verdict on Transformer Engine: ``HAVE_TE`` of
+    ``megatron/core/extensions/transformer_engine.py`` (0.16.1), where the TE modules of the spec live. A
+    ``transformer_engine`` that is on the path but fails to import leaves it False and ``te`` a MagicMock,
+    so being importable by name (``find_spec``) is not enough. The import costs nothing extra: megatron.core's
+    own ``__init__`` already imports that module (through ``tensor_parallel``)."""
+    from megatron.core.extensions import transformer_engine as te_extension
+
+    return bool(te_extension.HAVE_TE)
 
 
 def resolve_layer_spec(choice: str, cuda: bool | None = None, te_installed: bool | None = None) -> str:

@@ -364,6 +364,8 @@ def check_layout(parallel: ParallelConfig, model: ModelConfig, where: str) -> No
     check(parallel.context_parallel == 1 or not model.is_mla, "parallel.context_parallel",
           f"must be 1 for multi-latent attention ({where}{'' if where.endswith(':') else '.'}kv_lora_rank="
           f"{model.kv_lora_rank}): MLA's rotary split has not been run with context parallelism")
+    if parallel.context_parallel > 1 and parallel.cp_comm_type == "a2a":
+        check_a2a_heads(parallel, model, where)
     if model.is_mla:  # MLA's latent down-projections are column-parallel too
         splits += [("tensor_parallel", "kv_down_proj_rows")] + ([("tensor_parallel", "q_lora_rank")] if model.q_lora_rank else [])
     sep = "" if where.endswith(":") else "."
@@ -375,6 +377,22 @@ def check_layout(parallel: ParallelConfig, model: ModelConfig, where: str) -> No
             shown = f"{size} (null: tensor_parallel)"
         check(value % size == 0, f"parallel.{size_field}",
               f"{shown} does not divide {where}{sep}{model_field}={value}")
+
+
+def check_a2a_heads(parallel: ParallelConfig, model: ModelConfig, where: str) -> None:
+    """Transformer Engine's all-to-all context parallelism scatters each TP rank's attention heads over the
+    CP ranks: its ``attn_forward_func_with_cp`` (A2A branch, transformer_engine/pytorch/attention/
+    dot_product_attention/context_parallel.py) asserts that the query heads and the key/value groups per TP
+    rank both divide by the CP size, at the first forward. Checked here at start-up instead (on CPU too,
+    where the CP attention all-gathers and would not notice: the same config must run on both)."""
+    sep = "" if where.endswith(":") else "."
+    tp, cp = parallel.tensor_parallel, parallel.context_parallel
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        per_rank = getattr(model, field) // tp
+        check(per_rank % cp == 0, "parallel.cp_comm_type",
+              f"a2a needs the heads of each TP rank to divide by parallel.context_parallel={cp}, got "
+              f"{where}{sep}{field}={getattr(model, field)} / parallel.tensor_parallel={tp} = {per_rank}: "
+              "use p2p or all_gather, or another context_parallel")
 
 
 def _model_identity(section: dict) -> dict:

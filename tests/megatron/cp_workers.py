@@ -91,3 +91,34 @@ def cp_suite(rank: int, world_size: int, model_config, directory: str) -> dict:
                                                              f"{directory}/{pair[0]}_{pair[1]}")
                          for pair in (("cp2", "dp2"), ("dp2", "cp2"))}
     return out
+
+
+def cp_attention_without_torch_213_names(rank: int, world_size: int) -> dict:
+    """CP = 2 core attention (causal, GQA) and its gradients on a torch without ``all_gather_single`` /
+    ``reduce_scatter_single`` (first in torch 2.13; the GPU machines run older torch): the names are removed
+    from ``torch.distributed`` before the attention runs. Returns this rank's output and the gathered
+    query / key / value gradients beside the one-process reference's."""
+    from gspo_megatron.megatron import context_parallel as cp
+    from gspo_megatron.megatron.cp_attention import cp_core_attention
+    from gspo_megatron.megatron.cpu_modules import sdpa_core_attention
+
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        if hasattr(dist, name):  # absent on torch < 2.13 already
+            delattr(dist, name)
+    s, b, heads, groups, hn = 16, 2, 4, 2, 8  # S = 2 CP x 2 chunks of 4
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(s, b, n, hn, generator=g) for n in (heads, groups, groups))
+    probe = torch.randn(s, b, heads * hn, generator=g)
+    scale = hn ** -0.5
+
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = sdpa_core_attention(*ref, None, default_causal=True, scale=scale)
+    (ref_out * probe).sum().backward()
+
+    group = dist.group.WORLD
+    local = [cp.split_for_cp(t, 0, world_size, rank).requires_grad_() for t in (q, k, v)]
+    out = cp_core_attention(*local, None, scale, group)
+    (out * cp.split_for_cp(probe, 0, world_size, rank)).sum().backward()
+    return {"names_present": [hasattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single")],
+            "out": out.detach(), "ref_out": cp.split_for_cp(ref_out.detach(), 0, world_size, rank),
+            "grads": [cp.gather_from_cp(t.grad, 0, group) for t in local], "ref_grads": [t.grad for t in ref]}

@@ -149,3 +149,42 @@ def test_cp_config_is_accepted_and_what_has_not_run_is_refused_by_name():
     # Transformer Engine's CP algorithm reaches Megatron's config (GPU); unused, and unset, at CP 1
     assert transformer_config(tiny_moe_config(), ParallelConfig(context_parallel=2, cp_comm_type="a2a")).cp_comm_type == "a2a"
     assert transformer_config(tiny_moe_config(), ParallelConfig()).cp_comm_type is None
+
+
+@pytest.mark.distributed
+def test_cp_attention_runs_without_the_torch_213_collective_names():
+    """The lent GPU machines run torch 2.11 and setup.py admits 2.6: ``all_gather_single`` /
+    ``reduce_scatter_single`` first appear in 2.13. With them removed from ``torch.distributed`` the CP = 2
+    attention still runs, equal to the one-process attention, gradients included (the backward is the
+    reduce-scatter)."""
+    from tests.megatron.cp_workers import cp_attention_without_torch_213_names
+
+    for out in run_distributed(cp_attention_without_torch_213_names, 2, ()):
+        assert out["names_present"] == [False, False]
+        torch.testing.assert_close(out["out"], out["ref_out"], rtol=1e-5, atol=1e-6)
+        for got, want in zip(out["grads"], out["ref_grads"]):
+            assert want.abs().sum() > 0
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a2a_cp_needs_heads_per_tp_rank_divisible_by_cp():
+    """Transformer Engine's all-to-all CP splits each TP rank's query heads and key/value groups over the CP
+    ranks and asserts both divide (``attn_forward_func_with_cp``, A2A branch): refused at start-up by name.
+    The demo has 4 query heads and 2 key/value groups."""
+    from pathlib import Path
+
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.typed_config import ConfigError
+
+    demo = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
+    a2a = "parallel.cp_comm_type=a2a"
+    assert load_config(demo, ["parallel.context_parallel=2", a2a]).parallel.cp_comm_type == "a2a"  # 4 / 2, 2 / 2
+    with pytest.raises(ConfigError, match=r"^parallel\.cp_comm_type: a2a needs .*parallel\.context_parallel=4, .*"
+                                          r"model\.config\.num_key_value_heads=2 / parallel\.tensor_parallel=1"):
+        load_config(demo, ["parallel.context_parallel=4", a2a])
+    with pytest.raises(ConfigError, match=r"^parallel\.cp_comm_type: a2a needs .*parallel\.context_parallel=2, .*"
+                                          r"num_key_value_heads=2 / parallel\.tensor_parallel=2 = 1"):
+        load_config(demo, ["parallel.context_parallel=2", "parallel.tensor_parallel=2", a2a])
+    # the other algorithms do not split heads
+    assert load_config(demo, ["parallel.context_parallel=4"]).parallel.cp_comm_type == "p2p"
+    assert load_config(demo, ["parallel.context_parallel=4", "parallel.cp_comm_type=all_gather"]).parallel.context_parallel == 4

@@ -129,6 +129,35 @@ def test_layer_spec_choice():
         resolve_layer_spec("te", cuda=True, te_installed=False)
 
 
+def test_auto_asks_megatron_core_whether_transformer_engine_works(tmp_path):
+    """A ``transformer_engine`` that is on the path but does not import (a broken install: here a stand-in
+    package whose import raises ModuleNotFoundError, as a missing compiled extension does) leaves
+    megatron-core 0.16.1 with ``HAVE_TE = False`` and a MagicMock ``te``
+    (``megatron/core/extensions/transformer_engine.py``): ``auto`` must then pick the local spec and ``te``
+    must be refused by name, on a GPU too (``cuda=True``). Run in a fresh interpreter: megatron-core reads
+    the flag once, at import."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    fake = tmp_path / "transformer_engine"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('raise ModuleNotFoundError("No module named transformer_engine_torch")\n')
+    probe = ("import importlib.util, warnings; warnings.simplefilter('ignore')\n"
+             "from gspo_megatron.megatron.model import resolve_layer_spec\n"
+             "import megatron.core.extensions.transformer_engine as te_ext\n"
+             "print(importlib.util.find_spec('transformer_engine') is not None, te_ext.HAVE_TE,"
+             " resolve_layer_spec('auto', cuda=True))\n"
+             "try:\n    resolve_layer_spec('te', cuda=True)\nexcept ValueError as err:\n    print(err)\n")
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(repo), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120, check=True)
+    lines = out.stdout.splitlines()
+    assert lines[0] == "True False local"  # importable by name, not by megatron-core
+    assert lines[1].startswith("model.layer_spec: te needs CUDA and Transformer Engine; transformer_engine")
+
+
 def test_recompute_settings_use_megatron_names():
     assert recompute_settings("none", grouped_gemm=False) == {}
     assert recompute_settings("full", grouped_gemm=False) == {

@@ -132,11 +132,13 @@ def test_nan_gradient_skips_the_update_on_every_rank():
         assert out["clean"]["update_skipped"] == 0.0 and out["changed"]
 
 
-@pytest.mark.parametrize("save_layout, load_layout", [("tp2", "dp2"), ("dp2", "tp2"), ("ep2", "ep2")])
+@pytest.mark.parametrize("save_layout, load_layout", [("tp2", "dp2"), ("dp2", "tp2"), ("ep2", "ep2"),
+                                                      ("dp2_distopt", "tp2_distopt"), ("tp2_distopt", "dp2_distopt")])
 def test_training_state_checkpoint_moves_between_layouts(tmp_path, save_layout, load_layout):
     """Model + Adam state + LR schedule saved at one layout continue at another. Between layouts with and
     without expert parallelism only the weights move (Megatron builds a different optimizer structure
-    for expert parameters); resume those at the same EP size."""
+    for expert parameters); resume those at the same EP size. The distributed optimizer's state moves
+    between DP=2 and TP=2 (DP=1): the reason its checkpoints stay ``fully_reshardable`` (docs/slurm.md)."""
     from tests.megatron.train_workers import training_state_across_layouts
 
     out = run_distributed(training_state_across_layouts, 2,

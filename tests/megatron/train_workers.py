@@ -18,6 +18,7 @@ LAYOUTS = {
     "ep2": ParallelConfig(expert_parallel=2),
     "dp2": ParallelConfig(),
     "dp2_distopt": ParallelConfig(distributed_optimizer=True),
+    "tp2_distopt": ParallelConfig(tensor_parallel=2, distributed_optimizer=True),  # DP = 1
     "cp2": ParallelConfig(context_parallel=2),
 }
 

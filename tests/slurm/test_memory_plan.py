@@ -149,3 +149,63 @@ def test_cli_prints_the_table() -> None:
     bad = subprocess.run([sys.executable, str(_PATH), "--model", "qwen3-30b-a3b", "--gpus", "3", "--tp", "2"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "not a multiple" in bad.stderr
+
+
+def _qwen3_one_node(**kw):
+    return mp.plan(mp.MODELS["qwen3-30b-a3b"], mp.Layout(8, tp=4, ep=8), **{**PLAN_DEFAULTS, "sglang_tp": 4, **kw})
+
+
+def test_weight_sync_phase_holds_the_buckets_in_flight_beside_sglangs_weights() -> None:
+    """Tensor sync: N buckets of the engine's bucket size alive on each trainer GPU (defaults 2 x 512 MiB,
+    rollout.sglang.tensor_buckets_in_flight / bucket_bytes) while SGLang holds its weights (not its KV)."""
+    pl = _qwen3_one_node()
+    assert pl.sync_buckets_gib == pytest.approx(1.0)
+    overhead = 4.0
+    assert pl.sync_phase_gib == pytest.approx(pl.states_gib + pl.sglang_weights_gib + 1.0 + overhead)
+    four = _qwen3_one_node(sync_buckets=4, sync_bucket_bytes=1024**3)
+    assert four.sync_phase_gib - pl.sync_phase_gib == pytest.approx(3.0)
+    assert pl.gpu_peak_gib == max(pl.train_phase_gib, pl.sync_phase_gib, pl.rollout_phase_gib)
+
+
+def test_the_update_and_the_sync_peak_apart_when_the_cache_is_emptied() -> None:
+    """The caching allocator keeps the update's activation peak reserved unless emptied: the trainer empties
+    it after the update and after the sync, so the sync and rollout phases do not carry the activations
+    (peak of the phases, not their sum); a trainer that never empties pays them in both."""
+    emptied, kept = _qwen3_one_node(recompute="none"), _qwen3_one_node(recompute="none", empty_cache=False)
+    cached = emptied.activations_gib + emptied.logits_gib
+    assert cached > 10  # no recompute: a large update peak
+    assert kept.sync_phase_gib == pytest.approx(emptied.sync_phase_gib + cached)
+    assert kept.rollout_phase_gib == pytest.approx(emptied.rollout_phase_gib + cached)
+    assert kept.train_phase_gib == emptied.train_phase_gib
+
+
+def test_cpu_offload_moves_the_optimizer_share_to_the_host() -> None:
+    """optimizer.cpu_offload_fraction f: f of the 12 B/param sharded master weights and moments leave the
+    GPU; the host holds them and fp32 gradient copies (16 B per offloaded parameter)."""
+    none, half, all_ = (_qwen3_one_node(cpu_offload_fraction=f) for f in (0.0, 0.5, 1.0))
+    assert half.optimizer_gib == pytest.approx(none.optimizer_gib / 2)
+    assert all_.optimizer_gib == 0 and none.optimizer_host_gib == 0
+    assert all_.optimizer_host_gib == pytest.approx(none.optimizer_gib * 16 / 12)
+    assert none.states_gib - all_.states_gib == pytest.approx(none.optimizer_gib)
+    with pytest.raises(ValueError, match="cpu_offload_fraction"):
+        _qwen3_one_node(cpu_offload_fraction=1.5)
+
+
+def test_checkpoint_host_peak_is_every_held_parameters_states_per_rank() -> None:
+    """fully_reshardable gathers, on every DP rank, the fp32 master weights and Adam moments of all the
+    parameters that rank holds (12 B each, not divided by DP), beside its bf16 weights (2 B): Qwen3-30B-A3B
+    on one node (TP4 EP8) holds ~4B parameters per GPU, ~52 GiB per rank, ~420 GiB per node."""
+    pl = _qwen3_one_node()
+    held = pl.dense_params_per_gpu + pl.expert_params_per_gpu
+    assert pl.checkpoint_host_gib == pytest.approx(14 * held / GIB)
+    assert 45 < pl.checkpoint_host_gib < 60 and pl.host_per_node_gib == pytest.approx(8 * pl.checkpoint_host_gib)
+    offloaded = _qwen3_one_node(cpu_offload_fraction=0.75)
+    assert offloaded.host_per_node_gib == pytest.approx(8 * (offloaded.optimizer_host_gib + offloaded.checkpoint_host_gib))
+
+
+def test_cli_prints_the_sync_and_host_rows() -> None:
+    out = subprocess.run([sys.executable, str(_PATH), "--model", "qwen3-30b-a3b", "--gpus", "8", "--tp", "4", "--ep", "8",
+                          "--sglang-tp", "4", "--gpu-mem-gib", "74.5", "--cpu-offload-fraction", "0.75"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "peak, weight sync (2 x 512 MiB buckets" in out.stdout and "host per node (8 GPUs)" in out.stdout

@@ -30,6 +30,21 @@ suggests. What is counted:
   (all parameters / SGLang TP, bf16) and KV cache (layers x 2 x max(1, kv_heads / TP) x head_dim x 2 B
   per token; MLA: layers x (kv latent + rope key) x 2 B); while the trainer trains it has released both
   (--enable-memory-saver).
+- Weight sync (tensor mode): at most N buckets of the engine's bucket size alive on each trainer GPU
+  (``rollout.sglang.tensor_buckets_in_flight`` x ``rollout.sglang.bucket_bytes``, defaults 2 x 512 MiB),
+  while SGLang has its weights back (it receives them) but not yet its KV cache.
+- The caching allocator: after the update its activation peak stays reserved unless emptied. The trainer
+  empties the cache after the update and after the sync (``torch.cuda.empty_cache``), so the update's
+  activations and the sync's buckets are never resident together: the plan takes the peak of the update
+  phase and the sync phase, not their sum. ``empty_cache=False`` plans for a trainer that does not empty
+  it: the update's activations then stay in every later phase.
+- Optimizer CPU offload (``optimizer.cpu_offload_fraction`` f, megatron-core's HybridDeviceOptimizer):
+  f of the sharded fp32 master weights and Adam moments leave the GPU; the host holds them plus fp32
+  copies of their gradients (16 B per offloaded parameter).
+- Host memory per node: the offloaded optimizer, plus a checkpoint save's peak. The distributed optimizer
+  saves ``fully_reshardable`` (megatron/policy_model.py): every DP rank gathers the fp32 master weights and
+  both Adam moments of all the parameters it holds (12 B each, not divided by DP) into host memory before
+  writing, beside a host copy of its bf16 weights (2 B).
 """
 from __future__ import annotations
 
@@ -210,16 +225,34 @@ class Plan:
     sglang_kv_tokens: int
     train_phase_gib: float
     rollout_phase_gib: float
+    sync_buckets_gib: float = 0.0
+    sync_phase_gib: float = 0.0
+    optimizer_host_gib: float = 0.0  # per GPU: the offloaded optimizer share and its fp32 gradient copies
+    checkpoint_host_gib: float = 0.0  # per GPU: a checkpoint save's host buffers
+    host_per_node_gib: float = 0.0  # gpus_per_node x (optimizer_host + checkpoint_host)
+
+    @property
+    def gpu_peak_gib(self) -> float:
+        """The largest of the three phases (update, weight sync, rollout)."""
+        return max(self.train_phase_gib, self.sync_phase_gib, self.rollout_phase_gib)
 
     @property
     def states_gib(self) -> float:
         return self.weights_gib + self.grads_gib + self.optimizer_gib
 
 
+SYNC_BUCKETS = 2  # rollout.sglang.tensor_buckets_in_flight's default
+SYNC_BUCKET_BYTES = 512 * 1024**2  # rollout.sglang.bucket_bytes's default
+
+
 def plan(m: MoEShape, layout: Layout, *, tokens_per_microbatch: int, recompute: str, gpu_mem_gib: float,
-         sglang_tp: int, sglang_mem_fraction: float, grad_bytes: int = 4, overhead_gib: float = 4.0) -> Plan:
+         sglang_tp: int, sglang_mem_fraction: float, grad_bytes: int = 4, overhead_gib: float = 4.0,
+         sync_buckets: int = SYNC_BUCKETS, sync_bucket_bytes: int = SYNC_BUCKET_BYTES,
+         cpu_offload_fraction: float = 0.0, empty_cache: bool = True, gpus_per_node: int = 8) -> Plan:
     """Per-GPU bytes on the worst pipeline stage (see the module docstring for every term)."""
     layout.check(m)
+    if not 0.0 <= cpu_offload_fraction <= 1.0:
+        raise ValueError(f"cpu_offload_fraction must be in [0, 1], got {cpu_offload_fraction}")
     p = param_counts(m)
     stage_layers = math.ceil(m.layers / layout.pp)
     # the worst stage holds the most MoE layers: the dense ones come first, on the first stage
@@ -233,7 +266,10 @@ def plan(m: MoEShape, layout: Layout, *, tokens_per_microbatch: int, recompute: 
     experts = stage_moe * p.experts_per_layer / (layout.ep * layout.etp)
     weights = 2 * (dense + experts)
     grads = grad_bytes * (dense + experts)
-    optimizer = 12 * dense / (layout.dp * layout.cp) + 12 * experts / layout.expert_dp
+    sharded = dense / (layout.dp * layout.cp) + experts / layout.expert_dp  # parameters whose states this GPU owns
+    optimizer = 12 * sharded * (1 - cpu_offload_fraction)
+    optimizer_host = 16 * sharded * cpu_offload_fraction
+    checkpoint_host = (12 + 2) * (dense + experts)
 
     h, f = m.hidden, m.expert_ffn
     tokens_per_rank = tokens_per_microbatch / (layout.tp * layout.cp)
@@ -254,6 +290,8 @@ def plan(m: MoEShape, layout: Layout, *, tokens_per_microbatch: int, recompute: 
     kv_tokens = max(0, int((sglang_budget - sglang_weights) // kv_per_token))
     states = weights + grads + optimizer
     overhead = overhead_gib * GIB
+    cached = 0.0 if empty_cache else activations + logits  # the update's peak, kept by the caching allocator
+    buckets = sync_buckets * sync_bucket_bytes
     return Plan(
         dense_params_per_gpu=dense,
         expert_params_per_gpu=experts,
@@ -266,7 +304,12 @@ def plan(m: MoEShape, layout: Layout, *, tokens_per_microbatch: int, recompute: 
         sglang_budget_gib=sglang_budget / GIB,
         sglang_kv_tokens=kv_tokens,
         train_phase_gib=(states + activations + logits + overhead) / GIB,
-        rollout_phase_gib=(states + sglang_budget + overhead) / GIB,
+        rollout_phase_gib=(states + sglang_budget + overhead + cached) / GIB,
+        sync_buckets_gib=buckets / GIB,
+        sync_phase_gib=(states + sglang_weights + buckets + overhead + cached) / GIB,
+        optimizer_host_gib=optimizer_host / GIB,
+        checkpoint_host_gib=checkpoint_host / GIB,
+        host_per_node_gib=gpus_per_node * (optimizer_host + checkpoint_host) / GIB,
     )
 
 
@@ -284,13 +327,15 @@ def microbatch_tokens(config: dict) -> int:
 def example_plan(config: dict, model: str, gpus: int, gpu_mem_gib: float, sglang_tp: int | None = None,
                  sglang_mem_fraction: float | None = None) -> Plan:
     """The plan of a training config (examples/*.yaml, as a dict) on ``gpus`` GPUs of ``gpu_mem_gib``: its
-    layout, micro-batch tokens, recomputation, gradient dtype and colocated SGLang settings (``sglang_*``
-    where the servers are started outside the config, e.g. by an sbatch script). The plan assumes bf16.
+    layout, micro-batch tokens, recomputation, gradient dtype, optimizer CPU offload, weight-sync buckets
+    and colocated SGLang settings (``sglang_*`` where the servers are started outside the config, e.g. by
+    an sbatch script); nodes of 8 GPUs. The plan assumes bf16.
     ``parallel.expert_tensor_parallel`` null is Megatron's default, the tensor-parallel size."""
     m, par, mod = MODELS[model], config.get("parallel", {}), config.get("model", {})
     if mod.get("precision", "fp32") != "bf16":
         raise ValueError(f"model.precision: {mod.get('precision', 'fp32')}; the plan (and a GPU run) assumes bf16")
-    launch = (config.get("rollout", {}).get("sglang") or {}).get("launch") or {}
+    sglang = config.get("rollout", {}).get("sglang") or {}
+    launch = sglang.get("launch") or {}
     tp = par.get("tensor_parallel", 1)
     etp = par.get("expert_tensor_parallel")
     layout = Layout(gpus, tp, par.get("pipeline_parallel", 1), par.get("expert_parallel", 1),
@@ -299,7 +344,11 @@ def example_plan(config: dict, model: str, gpus: int, gpu_mem_gib: float, sglang
                 recompute=mod.get("recompute", "none"), gpu_mem_gib=gpu_mem_gib,
                 sglang_tp=sglang_tp or launch["tp_size"],
                 sglang_mem_fraction=sglang_mem_fraction or launch["mem_fraction_static"],
-                grad_bytes=4 if mod.get("grad_reduce_in_fp32", True) else 2)
+                grad_bytes=4 if mod.get("grad_reduce_in_fp32", True) else 2,
+                sync_buckets=sglang.get("tensor_buckets_in_flight", SYNC_BUCKETS),
+                sync_bucket_bytes=sglang.get("bucket_bytes", SYNC_BUCKET_BYTES),
+                cpu_offload_fraction=config.get("optimizer", {}).get("cpu_offload_fraction", 0.0),
+                gpus_per_node=min(gpus, 8))
 
 
 def _table(m: MoEShape, layout: Layout, pl: Plan, args: argparse.Namespace) -> str:
@@ -314,7 +363,7 @@ def _table(m: MoEShape, layout: Layout, pl: Plan, args: argparse.Namespace) -> s
                            f"{pl.expert_params_per_gpu / 1e9:.3f}B expert"),
         ("bf16 weights", f"{pl.weights_gib:.1f} GiB"),
         (f"{args.grad_dtype} grads", f"{pl.grads_gib:.1f} GiB"),
-        ("fp32 master + Adam (sharded)", f"{pl.optimizer_gib:.1f} GiB"),
+        (f"fp32 master + Adam (sharded, {args.cpu_offload_fraction:g} on the host)", f"{pl.optimizer_gib:.1f} GiB"),
         ("training states", f"{pl.states_gib:.1f} GiB"),
         (f"activations ({args.recompute} recompute, {args.tokens_per_microbatch} tokens/micro-batch)",
          f"{pl.activations_gib:.1f} GiB + logits {pl.logits_gib:.1f} GiB"),
@@ -322,7 +371,12 @@ def _table(m: MoEShape, layout: Layout, pl: Plan, args: argparse.Namespace) -> s
          f"{pl.sglang_budget_gib:.1f} GiB: weights {pl.sglang_weights_gib:.1f} GiB, "
          f"KV room for {pl.sglang_kv_tokens:,} tokens"),
         (f"peak, training phase (+{args.overhead_gib} GiB overhead)", f"{pl.train_phase_gib:.1f} of {mem} GiB"),
+        (f"peak, weight sync ({args.sync_buckets} x {args.sync_bucket_mib} MiB buckets + SGLang weights)",
+         f"{pl.sync_phase_gib:.1f} of {mem} GiB"),
         (f"peak, rollout phase (+{args.overhead_gib} GiB overhead)", f"{pl.rollout_phase_gib:.1f} of {mem} GiB"),
+        ("host per GPU: offloaded optimizer + checkpoint save",
+         f"{pl.optimizer_host_gib:.1f} + {pl.checkpoint_host_gib:.1f} GiB"),
+        (f"host per node ({args.gpus_per_node} GPUs)", f"{pl.host_per_node_gib:.0f} GiB"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -344,6 +398,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
                     help="main-grad buffer dtype (Megatron DDP grad_reduce_in_fp32 on or off)")
     ap.add_argument("--overhead-gib", type=float, default=4.0, help="CUDA contexts, NCCL buffers, fragmentation")
+    ap.add_argument("--sync-buckets", type=int, default=SYNC_BUCKETS,
+                    help="weight-sync buckets alive at once (rollout.sglang.tensor_buckets_in_flight)")
+    ap.add_argument("--sync-bucket-mib", type=int, default=SYNC_BUCKET_BYTES // 1024**2,
+                    help="weight-sync bucket size (rollout.sglang.bucket_bytes)")
+    ap.add_argument("--cpu-offload-fraction", type=float, default=0.0,
+                    help="share of the optimizer states on the host (optimizer.cpu_offload_fraction)")
+    ap.add_argument("--keep-cache", action="store_true",
+                    help="plan for a trainer that never empties the CUDA cache (the update's activations stay)")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     args = ap.parse_args(argv)
     m = MODELS[args.model]
@@ -351,7 +414,10 @@ def main(argv: list[str]) -> int:
     try:
         pl = plan(m, layout, tokens_per_microbatch=args.tokens_per_microbatch, recompute=args.recompute,
                   gpu_mem_gib=args.gpu_mem_gib, sglang_tp=args.sglang_tp, sglang_mem_fraction=args.sglang_mem_fraction,
-                  grad_bytes={"fp32": 4, "bf16": 2}[args.grad_dtype], overhead_gib=args.overhead_gib)
+                  grad_bytes={"fp32": 4, "bf16": 2}[args.grad_dtype], overhead_gib=args.overhead_gib,
+                  sync_buckets=args.sync_buckets, sync_bucket_bytes=args.sync_bucket_mib * 1024**2,
+                  cpu_offload_fraction=args.cpu_offload_fraction, empty_cache=not args.keep_cache,
+                  gpus_per_node=args.gpus_per_node)
     except ValueError as err:
         print(f"memory_plan: {err}", file=sys.stderr)
         return 2
