@@ -52,6 +52,21 @@ class OptimizerConfig:
               f"must be in [0, 1], got {self.cpu_offload_fraction}")
 
 
+def offload_refusal(fraction: float, distributed_optimizer: bool, precision: str) -> str | None:
+    """Why ``optimizer.cpu_offload_fraction`` cannot be ``fraction`` with these settings, or None."""
+    if fraction == 0:
+        return None
+    if not distributed_optimizer:
+        return "needs parallel.distributed_optimizer: true (megatron-core offloads the distributed optimizer's shards)"
+    if precision == "fp32":
+        # megatron-core 0.16.1: the distributed optimizer's fp32 shards are views of the parameters, which
+        # HybridDeviceOptimizer's torch.optim constructor refuses ("can't optimize a non-leaf Tensor");
+        # with bf16 / fp16 parameters it offloads the fp32 main copies, which is where the memory is
+        return ("needs model.precision bf16 or fp16 (the offloaded state is the fp32 main weights and Adam "
+                "moments of a mixed-precision model)")
+    return None
+
+
 def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, precision: str = "fp32"):
     """Megatron's optimizer over the DDP-wrapped model ``ddp`` and its LR schedule: (optimizer, scheduler).
 
@@ -65,16 +80,10 @@ def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, pr
 
     from gspo_megatron.megatron.parallel import CREATE_GLOO_PROCESS_GROUPS
 
-    if optim.cpu_offload_fraction > 0 and not distributed_optimizer:
-        raise ConfigError("optimizer.cpu_offload_fraction: needs parallel.distributed_optimizer: true "
-                          "(megatron-core offloads the distributed optimizer's shards)")
+    refusal = offload_refusal(optim.cpu_offload_fraction, distributed_optimizer, precision)
+    if refusal is not None:
+        raise ConfigError(f"optimizer.cpu_offload_fraction: {refusal}")
     offload = optim.cpu_offload_fraction > 0
-    if offload and precision == "fp32":
-        # megatron-core 0.16.1: the distributed optimizer's fp32 shards are views of the parameters, which
-        # HybridDeviceOptimizer's torch.optim constructor refuses ("can't optimize a non-leaf Tensor");
-        # with bf16 / fp16 parameters it offloads the fp32 main copies, which is where the memory is
-        raise ConfigError("optimizer.cpu_offload_fraction: needs model.precision bf16 or fp16 (the offloaded "
-                          "state is the fp32 main weights and Adam moments of a mixed-precision model)")
     optimizer = get_megatron_optimizer(
         MegatronOptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                                 adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,

@@ -19,7 +19,7 @@ from gspo_megatron.data.config import DataConfig
 from gspo_megatron.megatron.model import ModelRuntime
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.parallel import ParallelConfig
-from gspo_megatron.megatron.optimizer import OptimizerConfig
+from gspo_megatron.megatron.optimizer import OptimizerConfig, offload_refusal
 from gspo_megatron.rewards.config import RewardConfig
 from gspo_megatron.rollout.agent_loop import MultiTurnConfig
 from gspo_megatron.rollout.partial import steps_in_flight
@@ -283,6 +283,9 @@ class TrainConfig:
                   f"model.config.max_position_embeddings ({self.model.config.max_position_embeddings})")
         if self.rollout.partial:
             check_partial(self)
+        offload = offload_refusal(self.optimizer.cpu_offload_fraction, self.parallel.distributed_optimizer,
+                                  self.model.precision)
+        check(offload is None, "optimizer.cpu_offload_fraction", offload or "")
         responses = self.train.prompts_per_step * self.rollout.samples_per_prompt
         check(responses >= self.train.minibatches_per_step, "train.minibatches_per_step",
               f"must be <= prompts_per_step x samples_per_prompt = {responses}")

@@ -146,3 +146,18 @@ def test_the_offloaded_optimizer_builds_for_a_bf16_model_and_refuses_what_megatr
         run_distributed(_offloaded_optimizer, 1, (tiny_moe_config(), "fp32", True))
     with pytest.raises(Exception, match=r"needs parallel.distributed_optimizer: true"):
         run_distributed(_offloaded_optimizer, 1, (tiny_moe_config(), "bf16", False))
+
+
+@pytest.mark.parametrize("overrides, refusal", [
+    (["optimizer.cpu_offload_fraction=0.5"], "needs parallel.distributed_optimizer: true"),
+    (["optimizer.cpu_offload_fraction=0.5", "parallel.distributed_optimizer=true"], "needs model.precision bf16"),
+    (["optimizer.cpu_offload_fraction=1.5"], r"must be in \[0, 1\]"),
+])
+def test_offload_settings_megatron_cannot_run_are_refused_at_start_up(overrides, refusal):
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.typed_config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"optimizer.cpu_offload_fraction.*" + refusal):
+        load_config(str(PACKAGE.parent / "examples" / "cpu_demo.yaml"), overrides)
+    load_config(str(PACKAGE.parent / "examples" / "cpu_demo.yaml"),
+                ["optimizer.cpu_offload_fraction=0.5", "parallel.distributed_optimizer=true", "model.precision=bf16"])
