@@ -1,5 +1,5 @@
 #!/bin/bash
-# The project's GPU check (docs/gpu.md, "The project's GPU check"): six independent steps on one lent GPU
+# The project's GPU check (docs/gpu.md, "The project's GPU check"): seven independent steps on one lent GPU
 # machine (Python 3.12 with CUDA torch and transformers, no network, no megatron-core, no TE, no SGLang).
 #
 #   tools/gpu_check.sh --fetch-wheels   here, with network: tools/gpu_wheels.txt into build/gpu_wheels

@@ -1,6 +1,6 @@
 """The project's GPU check (``tools/gpu_check.sh``; docs/gpu.md, "The project's GPU check").
 
-Six independent steps, each run by a driver in its own process with its own timeout. Every step ends in
+Seven independent steps, each run by a driver in its own process with its own timeout. Every step ends in
 exactly one JSON line, printed as ``GPU_CHECK {...}`` and appended to a results file, whatever the other
 steps do: a step that raises, dies or times out gets a line from the driver (``"ok": false`` and the
 error). The steps:
@@ -19,6 +19,9 @@ error). The steps:
                    0.5.23's allowlist (``SafeUnpickler``), checksums compared; a blocked global refused
     f_checkpoint   the distributed optimizer: save, load into a fresh model and optimizer, parameters and
                    Adam state equal
+    g_offload      the same round trip with half the optimizer offloaded to the host
+                   (``optimizer.cpu_offload_fraction``), and its peak memory against f's; on the CPU it is
+                   built only (its step copies gradients from CUDA parameters)
 
 ``--cpu`` runs every step on the CPU (gloo, shared memory instead of CUDA IPC) at ``--size tiny``: the
 CPU test of the plumbing (tests/megatron/test_gpu_check.py). ``GSPO_GPU_CHECK_INJECT=b_gspo_step:raise``
@@ -159,8 +162,9 @@ def _start_distributed(ctx: Context, parallel) -> None:
     par.initialize_model_parallel(parallel, seed=0)
 
 
-def _policy(ctx: Context, parallel, recompute: str = "selective", seed: int = 0):
-    """A PolicyModel (GSPO loss) of ``ctx``'s model on the local spec (no Transformer Engine travels)."""
+def _policy(ctx: Context, parallel, recompute: str = "selective", seed: int = 0, optim=None):
+    """A PolicyModel (GSPO loss) of ``ctx``'s model on the local spec (no Transformer Engine travels);
+    ``optim`` defaults to Adam at lr 1e-5."""
     from gspo_megatron.algorithms.config import LossConfig
     from gspo_megatron.megatron import parallel as par
     from gspo_megatron.megatron.model import ModelRuntime
@@ -168,7 +172,7 @@ def _policy(ctx: Context, parallel, recompute: str = "selective", seed: int = 0)
     from gspo_megatron.megatron.policy_model import PolicyModel
 
     par.initialize_model_parallel(parallel, seed=seed)  # re-seeds: a fresh model of another seed differs
-    return PolicyModel(model_config(ctx.size), parallel, OptimizerConfig(lr=1e-5), LossConfig(algorithm="gspo"),
+    return PolicyModel(model_config(ctx.size), parallel, optim or OptimizerConfig(lr=1e-5), LossConfig(algorithm="gspo"),
                        max_tokens_per_microbatch=ctx.size.microbatch_tokens,
                        runtime=ModelRuntime(precision=ctx.precision, recompute=recompute, layer_spec="local"))
 
@@ -562,32 +566,34 @@ def _max_diff(a: Sequence[tuple[str, torch.Tensor]], b: Sequence[tuple[str, torc
     return max((float((x.double() - y.double()).abs().max()) if x.numel() else 0.0) for (_, x), (_, y) in zip(a, b))
 
 
-def step_checkpoint(ctx: Context, directory: Path) -> dict:
-    """(f) Two updates with the distributed optimizer, save, a fresh model and optimizer (another seed),
+def _round_trip(ctx: Context, directory: Path, step: str, optim) -> dict:
+    """Two updates with the distributed optimizer, save, a fresh model and optimizer (another seed),
     load, compare; then one more update on both (the loaded Adam state and step count drive it)."""
     from gspo_megatron.megatron import checkpoint as ckpt
     from gspo_megatron.megatron import parallel as par
 
     parallel = par.ParallelConfig(distributed_optimizer=True)
     _start_distributed(ctx, parallel)
-    policy = _policy(ctx, parallel, seed=0)
+    _reset_peak(ctx)
+    policy = _policy(ctx, parallel, seed=0, optim=optim)
     for seed in (0, 1):
         seqs = _sequences(ctx, seed)
         for q, old in zip(seqs, policy.compute_logprobs(seqs)):
             q.old_logprobs = old["logprobs"]
-        _finite(policy.train_minibatch(seqs), "f_checkpoint")
+        _finite(policy.train_minibatch(seqs), step)
+    peak = _memory(ctx)["peak_gib"]
     start = time.perf_counter()
     path = ckpt.save(policy.sharded_state_dict(), directory / "step_2")
     save_s = time.perf_counter() - start
-    fresh = _policy(ctx, parallel, seed=7)
+    fresh = _policy(ctx, parallel, seed=7, optim=optim)
     params = lambda p: [(n, t.detach()) for n, t in p.module.named_parameters()]  # noqa: E731
     before = _max_diff(params(policy), params(fresh), "parameters")
     if before == 0.0:
-        raise RuntimeError("f_checkpoint: the fresh model equals the trained one before the load (seeds)")
+        raise RuntimeError(f"{step}: the fresh model equals the trained one before the load (seeds)")
     start = time.perf_counter()
     fresh.load_sharded_state_dict(ckpt.load(fresh.sharded_state_dict(is_loading=True), path))
     load_s = time.perf_counter() - start
-    out = {"save_seconds": round(save_s, 3), "load_seconds": round(load_s, 3),
+    out = {"training_peak_gib": peak, "save_seconds": round(save_s, 3), "load_seconds": round(load_s, 3),
            "bytes_on_disk": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
            "param_diff_before_load": before,
            "param_max_diff": _max_diff(params(policy), params(fresh), "parameters"),
@@ -596,7 +602,7 @@ def step_checkpoint(ctx: Context, directory: Path) -> dict:
            "optimizer_tensors": len(_optimizer_tensors(policy.optimizer)),
            "lr_equal": policy.current_lr() == fresh.current_lr()}
     if out["param_max_diff"] != 0.0 or out["optimizer_max_diff"] != 0.0 or not out["lr_equal"]:
-        raise RuntimeError(f"f_checkpoint: the loaded state differs from the saved one: {out}")
+        raise RuntimeError(f"{step}: the loaded state differs from the saved one: {out}")
     seqs = _sequences(ctx, 2)
     for model in (policy, fresh):
         for q, old in zip(seqs, model.compute_logprobs(seqs)):
@@ -607,13 +613,40 @@ def step_checkpoint(ctx: Context, directory: Path) -> dict:
     return out
 
 
+def step_checkpoint(ctx: Context, directory: Path) -> dict:
+    """(f) The distributed optimizer's checkpoint round trip (``_round_trip``)."""
+    return _round_trip(ctx, directory, "f_checkpoint", None)
+
+
+OFFLOAD_FRACTION = 0.5
+
+
+def step_offload(ctx: Context, directory: Path) -> dict:
+    """(g) Half the optimizer on the host (megatron-core's HybridDeviceOptimizer): the same round trip as
+    (f), whose ``training_peak_gib`` to compare is in f's line. On the CPU the offloaded optimizer is built
+    only: its step copies gradients from CUDA parameters to their host copies (megatron-core 0.16.1
+    ``hybrid_optimizer.py`` ~101), and a CPU run has none."""
+    from gspo_megatron.megatron.optimizer import OptimizerConfig
+
+    optim = OptimizerConfig(lr=1e-5, cpu_offload_fraction=OFFLOAD_FRACTION)
+    if ctx.cpu:
+        from gspo_megatron.megatron import parallel as par
+
+        parallel = par.ParallelConfig(distributed_optimizer=True)
+        _start_distributed(ctx, parallel)
+        inner = _policy(ctx, parallel, optim=optim).optimizer.chained_optimizers[0].optimizer
+        return {"offload_fraction": OFFLOAD_FRACTION, "inner_optimizer": type(inner).__name__, "stepped": False}
+    return {"offload_fraction": OFFLOAD_FRACTION, **_round_trip(ctx, directory, "g_offload", optim)}
+
+
 STEPS: dict[str, Callable[..., dict]] = {
     "a_versions": step_versions, "b_gspo_step": step_gspo, "c_logprob_gap": step_logprob_gap,
     "d_memory_sync": step_memory_sync, "e_cuda_ipc": step_cuda_ipc, "f_checkpoint": step_checkpoint,
+    "g_offload": step_offload,
 }
 # seconds each step may take on the GPU (imports included); the CPU run scales them (--timeout-scale)
 TIMEOUTS = {"a_versions": 40, "b_gspo_step": 130, "c_logprob_gap": 70, "d_memory_sync": 70, "e_cuda_ipc": 40,
-            "f_checkpoint": 70}
+            "f_checkpoint": 70, "g_offload": 70}
 
 
 def resolve_steps(spec: str | None) -> list[str]:
@@ -649,7 +682,7 @@ def run_step(name: str, ctx: Context, workdir: Path) -> dict:
         time.sleep(10**6)
     if not ctx.cpu and not torch.cuda.is_available():
         raise RuntimeError(f"{name}: no CUDA device (use --cpu for the CPU dry run)")
-    if name == "f_checkpoint":
+    if name in ("f_checkpoint", "g_offload"):
         return STEPS[name](ctx, workdir)
     return STEPS[name](ctx)
 

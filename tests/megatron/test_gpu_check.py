@@ -103,6 +103,12 @@ def test_checkpoint_round_trip_is_exact(dry_run):
     assert f["optimizer_tensors"] > 0 and f["param_max_diff_after_next_update"] == 0.0
 
 
+def test_the_offloaded_optimizer_is_built_on_the_cpu(dry_run):
+    g = dry_run[1]["g_offload"]
+    assert g["ok"] and g["offload_fraction"] == gpu_check.OFFLOAD_FRACTION
+    assert g["inner_optimizer"] == "HybridDeviceOptimizer" and g["stepped"] is False
+
+
 def test_a_failing_and_a_hanging_step_leave_the_others_their_lines(tmp_path):
     results = tmp_path / "r.jsonl"
     out = _run("--cpu", "--steps", "a,b,e", "--timeout-scale", "0.5", "--results", str(results),
