@@ -30,32 +30,15 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import save_bench_model  # noqa: E402  (this folder)
 
-DEMO_CONFIG = REPO / "examples" / "cpu_demo.yaml"
 # benchmarks/bench_weight_sync.py's model: 115.4 M parameters, 462 MB in fp32
 MODEL = ["model.config.vocab_size=8192", "model.config.hidden_size=512", "model.config.num_layers=8",
          "model.config.num_attention_heads=8", "model.config.num_key_value_heads=4", "model.config.head_dim=64",
          "model.config.num_experts=16", "model.config.moe_ffn_hidden_size=512", "model.config.moe_router_topk=2",
          "model.config.max_position_embeddings=1024"]
 MIB = 1 << 20
-
-
-def save_model(folder: Path) -> str:
-    """MODEL with random weights saved as a HF folder; returns a one-line description."""
-    import transformers
-
-    from gspo_megatron.trainer.config import load_config
-
-    cfg = load_config(DEMO_CONFIG, MODEL).model
-    mc = cfg.config
-    torch.manual_seed(cfg.init_seed)
-    model = transformers.AutoModelForCausalLM.from_config(mc.to_hf_config())
-    model.save_pretrained(folder)
-    transformers.GenerationConfig.from_model_config(model.config).save_pretrained(folder)
-    params = sum(p.numel() for p in model.parameters())
-    return (f"Qwen3-MoE hidden {mc.hidden_size}, {mc.num_layers} layers, {mc.num_experts} experts top-"
-            f"{mc.moe_router_topk} (expert FFN {mc.moe_ffn_hidden_size}), vocab {mc.vocab_size}, fp32, "
-            f"{params / 1e6:.1f} M parameters")
 
 
 def served_tensors(folder: Path) -> list[tuple[str, torch.Tensor]]:
@@ -119,7 +102,7 @@ def main() -> None:
     sglang_engine.request = counting  # every call the engine makes goes through this name
     with tempfile.TemporaryDirectory(prefix="bench_sync_posts_") as tmp:
         folder = Path(tmp) / "model"
-        what = save_model(folder)
+        what, _ = save_bench_model(MODEL, folder)
         tensors = served_tensors(folder)
         total = sum(t.numel() * t.element_size() for _, t in tensors)
         standin = None
