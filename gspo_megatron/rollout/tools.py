@@ -238,26 +238,38 @@ class ToolRegistry:
         return sorted(self._tools)
 
     def call(self, name: Any, arguments: Any) -> ToolResult:
-        """Run tool ``name`` on ``arguments`` (a dict); faults come back as an error ``ToolResult``."""
+        """Run tool ``name`` on ``arguments`` (a dict); faults come back as an error ``ToolResult``. Both come
+        from the model's text: any JSON value, so neither is trusted to be hashable or the right type. The
+        answer is at most ``max_output_chars`` characters of text a tokenizer accepts: an answer holding a
+        lone surrogate (which JSON's ``"\\ud800"`` makes, and a tool may echo back) is a failed call."""
+        result = self._run(name, arguments)
+        try:
+            result.text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return ToolResult(f"error: the tool's answer is not valid text ({err.reason} at character {err.start})",
+                              error=True)
+        if len(result.text) > self.max_output_chars:
+            return dataclasses.replace(result, text=result.text[:self.max_output_chars], truncated=True)
+        return result
+
+    def _run(self, name: Any, arguments: Any) -> ToolResult:
+        if not isinstance(name, str):
+            return ToolResult(f"error: a tool name is a string, not a {type(name).__name__}", error=True)
         if name not in self._tools:
-            return ToolResult(f"error: unknown tool {str(name)[:64]!r} (tools: {', '.join(self.names)})", error=True)
+            return ToolResult(f"error: unknown tool {name[:64]!r} (tools: {', '.join(self.names)})", error=True)
         if not isinstance(arguments, dict):
             return ToolResult("error: 'arguments' must be a JSON object", error=True)
         kind = self._tools[name]
         if kind == "python":
             if not isinstance(arguments.get("code"), str):
                 return ToolResult('error: python needs {"code": "<program>"}', error=True)
-            result = ToolResult(*self.run_python(arguments["code"], self.timeout_s))
-        elif kind == "calculator":
+            return ToolResult(*self.run_python(arguments["code"], self.timeout_s))
+        if kind == "calculator":
             try:
-                result = ToolResult(calculator(arguments))
+                return ToolResult(calculator(arguments))
             except ToolError as err:
                 return ToolResult(f"error: {err}", error=True)
-        else:
-            result = self._worker.call(kind, arguments)
-        if len(result.text) > self.max_output_chars:
-            result = dataclasses.replace(result, text=result.text[:self.max_output_chars], truncated=True)
-        return result
+        return self._worker.call(kind, arguments)
 
     def close(self) -> None:
         if self._worker is not None:

@@ -345,3 +345,32 @@ def test_the_overlap_engine_process_runs_the_same_trajectories():
         assert a.response_ids == b.response_ids and a.response_mask == b.response_mask
         assert a.tool_stats == b.tool_stats
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+HOSTILE_CALLS = {
+    "name is an object": '{"name":{}}',
+    "name is a list": '{"name":[],"arguments":{}}',
+    "1,200 nested lists": '{"name":"calculator","arguments":' + "[" * 1200 + "]" * 1200 + "}",
+    "a 5,000-digit number": '{"name":"calculator","arguments":{"expression":' + "7" * 5000 + "}}",
+    "deep but parseable arguments": '{"name":"echo","arguments":{"text":' + "[" * 900 + "]" * 900 + "}}",
+    "a lone surrogate echoed by the tool": '{"name":"echo","arguments":{"text":"\\ud800"}}',
+}
+
+
+@pytest.mark.parametrize("body", list(HOSTILE_CALLS.values()), ids=list(HOSTILE_CALLS))
+def test_a_hostile_tool_call_is_a_counted_failed_call_and_the_rollout_goes_on(body):
+    """A hostile policy: the model's call token is the malformed call, run end to end through the real engine
+    and agent loop; every call is answered with an error message the model reads, and counted."""
+    call = f"<tool_call>{body}</tool_call>"
+    loop = agent(tools=[ToolConfig("calculator"), ToolConfig("tests.rollout.tool_fixtures:echo", key="echo")],
+                 call=call, max_tool_output_tokens=4)
+    try:
+        samples = loop.generate(PROMPTS[:2], 8, params())
+    finally:
+        loop.tools.close()
+    calls = sum(s.tool_stats["tool_calls"] for s in samples)
+    assert calls >= 1 and sum(s.tool_stats["tool_errors"] for s in samples) == calls
+    tok = tokenizer(call)
+    answers = [tok.decode(s.response_ids[start:stop]) for s in samples
+               for is_model, start, stop in segments(s.response_mask) if not is_model]
+    assert answers and all("err" in a for a in answers)
