@@ -27,6 +27,7 @@ import json
 import operator
 import os
 import select
+import signal
 import subprocess
 import sys
 from typing import Any, Callable
@@ -158,8 +159,10 @@ class ToolWorker:
     def _start(self) -> subprocess.Popen:
         code = ("from gspo_megatron.processes import die_with_parent; die_with_parent(%d); "
                 "from gspo_megatron.rollout.tools import _worker_main; _worker_main()" % os.getpid())
+        # its own session: the worker leads a process group that holds whatever the tools start, so a timeout
+        # kills them too (close); the reward pool's workers are started the same way
         proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL)
+                                stderr=subprocess.DEVNULL, start_new_session=True)
         proc.stdin.write((json.dumps({"sys_path": sys.path}) + "\n").encode())
         proc.stdin.flush()
         self._buffer = b""
@@ -205,9 +208,12 @@ class ToolWorker:
         return line
 
     def close(self) -> None:
+        """Kill the worker's process group (the worker and every process a tool started in it), then reap."""
         if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.kill()
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)  # the group id is the worker's pid (start_new_session)
+            except ProcessLookupError:
+                pass  # the worker and all its children have exited already
             self._proc.wait()
             for stream in (self._proc.stdin, self._proc.stdout):
                 stream.close()

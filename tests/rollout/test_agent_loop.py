@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 
 import pytest
 import torch
@@ -374,3 +375,31 @@ def test_a_hostile_tool_call_is_a_counted_failed_call_and_the_rollout_goes_on(bo
     answers = [tok.decode(s.response_ids[start:stop]) for s in samples
                for is_model, start, stop in segments(s.response_mask) if not is_model]
     assert answers and all("err" in a for a in answers)
+
+
+def test_a_user_tool_that_times_out_leaves_no_process_behind(tmp_path):
+    """The tool's own child (a ``sleep``) dies with it at the timeout: the registry kills the worker's whole
+    process group, not only the worker."""
+    from gspo_megatron.processes import pid_running
+
+    pid_file = tmp_path / "child.pid"
+    registry = ToolRegistry([ToolConfig("tests.rollout.tool_fixtures:spawn_and_hang", key="spawn")], timeout_s=1.0)
+    try:
+        result = registry.call("spawn", {"pid_file": str(pid_file)})
+        assert result.timed_out
+        child = int(pid_file.read_text())
+        deadline = time.monotonic() + 5
+        while pid_running(child) and _state(child) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pid_running(child) or _state(child) == "Z", "the tool's child outlived the timeout"
+    finally:
+        registry.close()
+
+
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` (Z: a zombie, dead but not yet reaped by its adopter)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
