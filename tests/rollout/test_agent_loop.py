@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+from pathlib import Path
 import time
 
 import pytest
@@ -403,3 +405,45 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "gone"
+
+
+TOOL_DEMO = Path(__file__).resolve().parents[2] / "examples" / "cpu_tool_demo.yaml"
+
+
+@pytest.mark.parametrize("name, message", [
+    ("nosuchmod:f", "cannot import module 'nosuchmod'"),
+    ("tests.rollout.tool_fixtures:nosuch", "has no callable 'nosuch'"),
+])
+def test_a_tool_path_that_does_not_import_is_refused_at_start_up(name, message):
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.typed_config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape("rollout.multi_turn.tools[0].name: ") + ".*" + re.escape(message)):
+        load_config(TOOL_DEMO, [f"rollout.multi_turn.tools=[{{name: '{name}'}}]"])
+
+
+def test_a_tool_module_beside_the_config_is_found_by_the_tool_worker(tmp_path):
+    """``mytool.py`` beside the config imports like a reward module beside it (``rewards.import_dirs``,
+    default the config's folder), in a fresh interpreter that has nothing else on its path."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = yaml.safe_load(TOOL_DEMO.read_text())
+    config["data"]["train_files"] = [str(TOOL_DEMO.parent / f) for f in config["data"]["train_files"]]
+    config["data"]["eval_files"] = [str(TOOL_DEMO.parent / f) for f in config["data"]["eval_files"]]
+    config["model"]["tokenizer_dir"] = str((TOOL_DEMO.parent / config["model"]["tokenizer_dir"]).resolve())
+    config["rollout"]["multi_turn"]["tools"] = [{"name": "mytool:add"}]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "mytool.py").write_text("def add(a, b):\n    return str(a + b)\n")
+    script = ("import sys; from gspo_megatron.trainer.config import load_config; "
+              "from gspo_megatron.rollout.tools import ToolRegistry; "
+              f"cfg = load_config({str(tmp_path / 'config.yaml')!r}); "
+              "registry = ToolRegistry(cfg.rollout.multi_turn.tools); "
+              "print(registry.call('add', {'a': 2, 'b': 3})); registry.close()")
+    repo = str(TOOL_DEMO.parents[1])
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd="/", timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "ToolResult(text='5', error=False, timed_out=False, truncated=False)"
