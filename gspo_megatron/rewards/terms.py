@@ -17,6 +17,9 @@ from gspo_megatron.rewards.config import RewardConfig, RewardTermConfig
 from gspo_megatron.rewards.types import Verdict
 
 Item = tuple[Mapping[str, Any], str]  # (prompt sample as a dict, response text)
+# the largest |reward| a term may return: the advantages square the centred rewards in float32
+# (max ~3.4e38), so 1e15 leaves room for any group size; larger is an error (scored 0, counted)
+MAX_REWARD_MAGNITUDE = 1e15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +103,9 @@ def _as_verdict(value: Any) -> Verdict:
         raise TypeError(f"a reward function must return a number, got {type(value).__name__}")
     if not math.isfinite(verdict.reward):
         raise ValueError(f"a reward function returned {verdict.reward}")
+    if abs(verdict.reward) > MAX_REWARD_MAGNITUDE:
+        raise ValueError(f"a reward function returned {verdict.reward:g}, beyond +-{MAX_REWARD_MAGNITUDE:g} "
+                         "(the group advantages are float32: a larger reward overflows them to NaN)")
     return verdict
 
 

@@ -3,3 +3,8 @@
 
 def always_raises(sample, response):
     raise RuntimeError("verifier broken")
+
+
+def huge(sample, response):
+    """Finite, but beyond what float32 advantages can hold: 1e300 ** 2 overflows, the advantages would be NaN."""
+    return 1e300
