@@ -176,3 +176,24 @@ def test_a_reward_too_large_for_the_advantages_is_a_counted_failure_naming_its_t
     assert "huge: ValueError: a reward function returned 1e+300" in proc.stdout + proc.stderr, proc.stdout[-3000:]
     step = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
     assert step["reward/huge/errors"] == 2 * 8 and step["faults/skipped_updates"] == 0
+
+
+def test_weighted_rewards_that_overflow_the_advantages_stop_the_run_naming_the_terms(tmp_path):
+    """weight 1e300 x a reward of 0 or 1: the summed reward is inf in float32 and the advantages NaN, so every
+    update of the step would be skipped and the run would exit 0 having trained nothing: it stops instead,
+    naming the term."""
+    run_dir = tmp_path / "run"
+    proc = _run(train_command(run_dir, "train.steps=2", "sft.steps=0", "eval.every_steps=0",
+                              "rewards.terms=[{name: synthetic}, "
+                              "{name: 'tests.reliability.failing_reward:parity', weight: 1.0e300}]"))
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "the group advantages are not finite" in proc.stderr, proc.stderr[-2000:]
+    assert "rewards.terms[1] 'parity' (weight 1e+300)" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_step_whose_every_update_is_skipped_stops_the_run():
+    from gspo_megatron.trainer.finite import TrainingStopped, check_some_update_applied
+
+    check_some_update_applied([{"update_skipped": 1.0}, {"update_skipped": 0.0}], 3, 1)  # one is contained
+    with pytest.raises(TrainingStopped, match="step 3: every update was skipped"):
+        check_some_update_applied([{"update_skipped": 1.0}, {"update_skipped": 1.0}], 3, 2)
