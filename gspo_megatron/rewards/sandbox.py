@@ -208,6 +208,12 @@ def run_in_sandbox(cfg: SandboxConfig, files: dict[str, str], runs: list[Run],
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher's death signal takes down init and the program
             out, err = proc.communicate()
             failure = f"sandbox did not finish within {deadline_s:.1f} s"
+        except BaseException:
+            # interrupted in the calling process (an in-process reward's deadline or a stop signal,
+            # rewards/in_process.py): the launcher and its program go with the call, then the interruption goes on
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     finally:
         _force_rmtree(workdir)
     if failure is None and (proc.returncode != 0 or not out):
