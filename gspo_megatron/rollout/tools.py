@@ -9,12 +9,15 @@ Three kinds, each ``tool(arguments: dict) -> str``:
                isolation and limits (``rewards.code.sandbox``); the trainer hands the registry that runner
                (``rewards.sandbox.python_tool``: rollout does not import rewards); the answer is its stdout
                (or its error).
-  user tools   ``module.path:function``, a plain ``f(**arguments) -> str`` loaded like a user reward; it
-               runs in a separate worker interpreter (``_worker_main``) so that one which hangs is killed
-               at ``tool_timeout_s`` and the worker is restarted.
+  user tools   ``module.path:function``, a plain ``f(**arguments) -> str`` loaded like a user reward
+               (imported at start-up: trainer/config.py ``check_tool_imports``); it runs in a separate
+               worker interpreter (``_worker_main``), the leader of its own process group, so that one
+               which hangs is killed at ``tool_timeout_s`` with everything it started, and the worker is
+               restarted.
 
-Faults never leave the registry: an unknown tool, malformed arguments, a tool that raises or times out
-becomes an error message (``error: ...``) that the model reads as the tool's answer, and is counted in
+Faults never leave the registry: an unknown tool or a name that is not a string, malformed arguments, a tool
+that raises or times out, an answer that is not valid text becomes an error message (``error: ...``) that the
+model reads as the tool's answer, and is counted in
 ``ToolResult`` (the agent loop sums them into the ``tool_errors`` / ``tool_timeouts`` metrics). A tool's
 answer is cut to ``max_output_chars`` before it leaves the worker, then to the configured number of tokens
 by the agent loop, so a tool that floods its output costs a bounded message.
