@@ -20,6 +20,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -171,6 +172,27 @@ def _check_table_matches_model(entries: list[Entry], layout: dcp_io.CheckpointLa
         raise ConversionError(f"conversion table for {config.architecture} consumes an HF tensor twice")
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+_HF_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def check_counts_present(hf: ReleaseView, config: ModelConfig, hf_config: dict, where: Path) -> None:
+    """The layer and expert counts of config.json against the tensor names present (``layers.N.``,
+    ``experts.N.``; MTP layers left out): a count the weights do not have is refused before anything is
+    allocated for it (the table, the layout and the model are built per layer and per expert)."""
+    names = [name for name in hf.tensors if not left_out(config, name)]
+    layers = {int(m.group(1)) for name in names if (m := _LAYER.search(name))}
+    if layers and config.num_layers != max(layers) + 1:
+        raise ConversionError(f"{where}: num_hidden_layers={config.num_layers} but the weights hold "
+                              f"{max(layers) + 1} layers (layers.0 .. layers.{max(layers)})")
+    experts = {int(m.group(1)) for name in names if (m := _EXPERT.search(name))}
+    if experts and config.num_experts != max(experts) + 1:
+        key = next((k for k in _HF_EXPERT_KEYS if k in hf_config), "num_experts")
+        raise ConversionError(f"{where}: {key}={config.num_experts} but the weights hold {max(experts) + 1} "
+                              f"experts per layer (experts.0 .. experts.{max(experts)})")
+
+
 def _hf_specs(entry: Entry, chunk: dcp_io.Chunk, dtype: torch.dtype) -> list[TensorSpec]:
     shapes = entry.transform.hf_shapes(chunk.shape)
     return [TensorSpec(name, tuple(shape), dtype) for name, shape in zip(entry.hf, shapes)]
@@ -234,13 +256,16 @@ def _hf_to_megatron(hf_dir: Path, out: Path, tensor_parallel: int, pipeline_para
         config.validate("hf_to_megatron")
     validate_layout(config, tensor_parallel, pipeline_parallel, expert_parallel, source=str(hf_dir / "config.json"))
     check_output(out, overwrite, (hf_dir,))
-    entries = expand(config)
-    padded_vocab = config.padded_vocab_size(tensor_parallel)
-    with dcp_io.single_process_megatron():
-        layout = dcp_io.checkpoint_layout(config, padded_vocab)
-    _check_table_matches_model(entries, layout, config)
     with HFCheckpoint(hf_dir) as stored:
-        hf = ReleaseView(stored, config, read_json(hf_dir / "config.json"))
+        hf_config = read_json(hf_dir / "config.json")
+        hf = ReleaseView(stored, config, hf_config)
+        # from the headers alone, before the table, the layout or any model is built at the config's sizes
+        check_counts_present(hf, config, hf_config, hf_dir / "config.json")
+        entries = expand(config)
+        padded_vocab = config.padded_vocab_size(tensor_parallel)
+        with dcp_io.single_process_megatron():
+            layout = dcp_io.checkpoint_layout(config, padded_vocab)
+        _check_table_matches_model(entries, layout, config)
         dtypes = _check_hf_tensors(hf, entries, layout, config)
         check_declared_dtype(hf)
         mtp = [name for name in hf.tensors if left_out(config, name)]

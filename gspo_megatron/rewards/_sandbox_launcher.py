@@ -12,8 +12,9 @@ Process tree (namespace mode):
 * The launcher calls ``unshare`` (net, pid, mount, ipc, uts; plus a user namespace when it is not
   root), then forks ``init``. Because init is pid 1, the kernel SIGKILLs every process left in the
   namespace when init exits, so nothing the program forks, daemonises or ``setsid``-escapes survives.
-* ``init`` builds the filesystem view (tmpfs over private directories, a size-limited tmpfs working
-  directory, everything else read-only, a fresh /proc), then runs each program: fork, drop privileges,
+* ``init`` builds the filesystem view (an allowlist: a tmpfs root holding read-only binds of the
+  interpreter's files, system libraries and a few device files, a size-limited tmpfs working directory,
+  a fresh /proc; ``_setup_filesystem``), then runs each program: fork, drop privileges,
   set rlimits, exec. Between runs it kills everything else in the namespace (``kill(-1)`` as pid 1).
 * Every process has a parent-death signal, so killing the launcher (what the reward worker does on its
   deadline) or the worker itself tears the whole tree down.
@@ -42,17 +43,15 @@ CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_BIND = 4096
+MNT_DETACH = 2
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
 
-# open_tree / move_mount / mount_setattr share these numbers on every Linux architecture (unified table).
-SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442
+# mount_setattr has this number on every Linux architecture (unified table, 5.12+).
+SYS_MOUNT_SETATTR = 442
 AT_FDCWD = -100
-AT_EMPTY_PATH = 0x1000
 AT_RECURSIVE = 0x8000
-OPEN_TREE_CLONE = 1
-OPEN_TREE_CLOEXEC = 0o2000000
-MOVE_MOUNT_F_EMPTY_PATH = 0x4
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
 
 PR_SET_PDEATHSIG = 1
@@ -88,17 +87,6 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
     enc = lambda s: None if s is None else s.encode()  # noqa: E731
     _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
            f"mount {fstype or source} on {target}")
-
-
-def _open_tree(path: str) -> int:
-    return _check(_libc.syscall(ctypes.c_long(SYS_OPEN_TREE), ctypes.c_int(AT_FDCWD), path.encode(),
-                                ctypes.c_uint(OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE)),
-                  f"open_tree {path}")
-
-
-def _move_mount(fd: int, target: str) -> None:
-    _check(_libc.syscall(ctypes.c_long(SYS_MOVE_MOUNT), ctypes.c_int(fd), b"", ctypes.c_int(AT_FDCWD),
-                         target.encode(), ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH)), f"move_mount {target}")
 
 
 def _mount_setattr(path: str, recursive: bool, attr_set: int, attr_clr: int) -> None:
@@ -176,53 +164,84 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
+def _mirror_symlinks(path: str, root: str, bound: list[str]) -> None:
+    """Recreate under ``root`` each symlink on the way to ``path`` (``/lib -> usr/lib``), so the program
+    reaches the real path the same way; a link inside an already bound tree is already there."""
+    host = ""
+    for part in path.strip("/").split("/"):
+        host += "/" + part
+        if any(_under(host, b) for b in bound):
+            return
+        if os.path.islink(host):
+            link = root + host
+            if not os.path.lexists(link):
+                os.makedirs(os.path.dirname(link), exist_ok=True)
+                os.symlink(os.readlink(host), link)
+            return _mirror_symlinks(os.path.realpath(host) + path[len(host):], root, bound)
+
+
+def _pivot_root(root: str) -> None:
+    """Make ``root`` this mount namespace's ``/`` and detach the old one (pivot_root(".", ".") then umount:
+    no directory for the old root is needed). Python has no wrapper and glibc none either: the raw syscall."""
+    number = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}[os.uname().machine]
+    os.chdir(root)
+    _check(_libc.syscall(ctypes.c_long(number), b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", ctypes.c_int(MNT_DETACH)), "umount the old root")
+    os.chdir("/")
+
+
 def _setup_filesystem(req: dict, report: dict, ns: str) -> None:
-    """Runs in init (pid 1, root of its namespaces). Order matters: clone what must stay visible, cover
-    private directories with tmpfs, put the clones back, mount the working tmpfs, make everything else
-    read-only, then mount a /proc that only shows this pid namespace."""
+    """Runs in init (pid 1, root of its namespaces). The program's filesystem is an allowlist: a fresh tmpfs
+    root holding read-only bind mounts of ``visible_paths`` (the interpreter's files, system libraries,
+    a few device files; sandbox.visible_paths) and the working directory, a fresh size-limited tmpfs. The
+    tmpfs is mounted over /tmp in this private namespace, made the root with pivot_root, and the old root
+    is detached: nothing else of the host is reachable, whatever its path."""
     iso, limits = req["isolation"], req["limits"]
     workdir = req["workdir"]
+    os.umask(0o022)
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing below propagates to the host
 
-    hidden = [os.path.realpath(p) for p in iso["hide_paths"] if os.path.isdir(p)]
-    exposed = sorted({os.path.realpath(p) for p in iso["expose_paths"] if os.path.exists(p)})
-    exposed = [p for p in exposed if not any(q != p and _under(p, q) for q in exposed)]
-    needed = [p for p in exposed if any(_under(p, h) for h in hidden)]
-    clones: dict[str, int] = {}
-    try:
-        clones = {p: _open_tree(p) for p in needed}
-    except OSError as err:  # kernels before 5.2: keep directories that hold the interpreter visible
-        report["notes"].append(f"{err}; directories holding exposed paths stay visible")
-        hidden = [h for h in hidden if not any(_under(p, h) for p in needed)]
-        clones = {}
-    for h in hidden:
-        if any(_under(h, other) and h != other for other in hidden):
-            continue  # covered by a parent that is hidden too
-        _mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-    for path, fd in clones.items():
-        os.makedirs(path, exist_ok=True)
-        _move_mount(fd, path)
-        os.close(fd)
-    report["hidden_paths"] = hidden
+    # the new root's mount point: /tmp is searchable by every user (an unprivileged launcher in a user
+    # namespace cannot reach a path through a folder mode 700 it does not own), and a mount over it in this
+    # private namespace changes nothing on the host
+    root = "/tmp"
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    real = sorted({os.path.realpath(p) for p in iso["visible_paths"] if os.path.exists(p)})
+    bound = [p for p in real if not any(q != p and _under(p, q) for q in real)]
+    for path in iso["visible_paths"]:
+        if os.path.exists(path):
+            _mirror_symlinks(path, root, bound)
+    for path in bound:
+        target = root + path
+        if os.path.isdir(path):
+            os.makedirs(target, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            open(target, "w").close()  # a file bind-mounts onto a file
+        _mount(path, target, None, MS_BIND | MS_REC, None)
+    report["visible_paths"] = bound
 
-    os.makedirs(workdir, exist_ok=True)
+    os.makedirs(root + workdir, exist_ok=True)
+    os.makedirs(root + "/proc", exist_ok=True)
     owner = req["uid"] if ns == "root" and req["uid"] is not None else 0
-    _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV,
+    _mount("tmpfs", root + workdir, "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={limits['workdir_size_mb']}m,mode=700,uid={owner},gid={owner}")
     report["workdir_tmpfs"] = True
+    try:
+        # before the pivot: in a user namespace the kernel mounts a proc only while a fully visible one is
+        # in the mount namespace (the host's, until the old root is detached)
+        _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        report["private_proc"] = True
+    except OSError as err:  # some containers mask /proc so a user namespace may not mount a new one
+        report["notes"].append(str(err))
+    _pivot_root(root)
 
     try:
         # not nodev: /dev/null and friends must keep working (device files stay permission-checked)
         _mount_setattr("/", True, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
         _mount_setattr(workdir, False, 0, MOUNT_ATTR_RDONLY)
         report["readonly_fs"] = True
-    except OSError as err:  # kernels before 5.12 have no mount_setattr: the filesystem stays writable
-        report["notes"].append(str(err))
-
-    try:
-        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-        report["private_proc"] = True
-    except OSError as err:  # some containers mask /proc so a user namespace may not mount a new one
+    except OSError as err:  # kernels before 5.12 have no mount_setattr: the bound paths keep their host modes
         report["notes"].append(str(err))
 
 
@@ -473,7 +492,7 @@ def main() -> None:
         os._exit(1)  # the reward worker died before we set the death signal
     report = {"mode": req["isolation"]["mode"], "namespaces": None, "net": False, "pid": False,
               "mount": False, "readonly_fs": False, "private_proc": False, "workdir_tmpfs": False,
-              "hidden_paths": [], "uid_drop": False, "notes": []}
+              "visible_paths": [], "uid_drop": False, "notes": []}
     ns = None
     if req["isolation"]["mode"] != "none":
         ns = _enter_namespaces(report)

@@ -58,7 +58,8 @@ class RewardTermConfig:
 class RewardConfig:
     """Reward = sum_k weight_k * term_k(sample, response), computed in a worker pool.
 
-    num_workers: reward processes (0 runs everything in the calling process, without timeouts).
+    num_workers: reward processes (0 runs everything in the calling process: timeout_s and the stop signals then
+        interrupt a reward through Python signal handlers, rewards/in_process.py).
     timeout_s: per response; a response whose verifier takes longer scores 0 and is counted
         (a batched term gets timeout_s times its batch length; an async chunk gets timeout_s + 5).
     async_chunk_size: responses per task for async per-response functions (awaited concurrently).

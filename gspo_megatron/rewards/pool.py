@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Sequence
 
 from gspo_megatron.rewards.config import RewardConfig
+from gspo_megatron.rewards.in_process import InProcessLimits
 from gspo_megatron.rewards.sandbox import probe_isolation
 from gspo_megatron.rewards.terms import Item, Outcome, RewardSetupError, build_terms, evaluate
 from gspo_megatron.rewards.types import sample_mapping
@@ -332,9 +333,11 @@ class RewardPool:
         tasks = self._plan(len(items))
         if self._local_terms is not None:
             results: Results = {}
-            for t in tasks:
-                outcomes = evaluate(self._local_terms[t.term_index], [items[i] for i in t.indices], self.cfg.timeout_s)
-                results.update(((t.term_index, i), o) for i, o in zip(t.indices, outcomes))
+            with InProcessLimits().installed() as limits:  # timeouts and stop signals in this process
+                for t in tasks:
+                    outcomes = evaluate(self._local_terms[t.term_index], [items[i] for i in t.indices],
+                                        self.cfg.timeout_s, limits)
+                    results.update(((t.term_index, i), o) for i, o in zip(t.indices, outcomes))
         else:
             results = self._run_in_workers(items, tasks, stats)
         return self._combine(len(items), results, stats, time.monotonic() - start)

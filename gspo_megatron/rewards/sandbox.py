@@ -5,10 +5,11 @@ Layers, strongest first (``docs/rewards.md`` has the table of what each one stop
 1. Namespaces (``isolation: auto`` when the kernel allows it, ``namespaces`` to require them): a new
    network namespace (no interfaces but a downed loopback: no network at all), a pid namespace whose
    pid 1 is our init (when it exits the kernel kills every process left, daemonised or not), a mount
-   namespace where the filesystem is read-only, private directories (``hide_paths``: /root, /home,
-   /tmp, ...) are covered by empty tmpfs, the interpreter stays visible, and the working directory is
-   a fresh size-limited tmpfs; a fresh /proc; ipc and uts namespaces. As root this needs nothing else;
-   as another user it needs unprivileged user namespaces.
+   namespace whose filesystem is an allowlist (``visible_paths``: the interpreter's files, the system
+   libraries, a few device files and ``expose_paths``, read-only; nothing else of the host, wherever the
+   project, its data or a run folder lies) and a working directory that is a fresh size-limited tmpfs;
+   a fresh /proc; ipc and uts namespaces. As root this needs nothing else; as another user it needs
+   unprivileged user namespaces.
 2. Privileges: as root the program runs under a throw-away uid (``uid_base`` + a per-call offset),
    which makes RLIMIT_NPROC effective (the kernel never applies it to uid 0) and file permissions
    apply; in a user namespace every capability is dropped instead. ``no_new_privs`` always.
@@ -60,8 +61,8 @@ class SandboxConfig:
     site_packages: bool = False  # False: standard library only (python -S: faster start, less to reach)
     run_as_uid: bool = True  # as root: switch to a throw-away uid (needed for RLIMIT_NPROC)
     uid_base: int = 1_500_000_000
-    hide_paths: list[str] = dataclasses.field(
-        default_factory=lambda: ["/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run"])
+    # with namespaces the program sees only visible_paths(): the interpreter's files, SYSTEM_PATHS, DEVICES,
+    # its working directory, and these (read-only; e.g. a data folder a test harness must read)
     expose_paths: list[str] = dataclasses.field(default_factory=list)
 
     def validate(self, path: str) -> None:
@@ -75,8 +76,8 @@ class SandboxConfig:
         check(self.max_open_files >= 16, f"{path}.max_open_files", "must be >= 16")
         check(0 < self.uid_base < 2**32 - 2**27, f"{path}.uid_base", "must leave room for 2**27 uids")
         check(self.python == "" or os.path.isabs(self.python), f"{path}.python", "must be an absolute path")
-        for i, p in enumerate(self.hide_paths + self.expose_paths):
-            check(os.path.isabs(p), f"{path}.hide_paths/expose_paths[{i}]", f"{p!r} is not absolute")
+        for i, p in enumerate(self.expose_paths):
+            check(os.path.isabs(p), f"{path}.expose_paths[{i}]", f"{p!r} is not absolute")
 
 
 @dataclasses.dataclass
@@ -119,8 +120,21 @@ def _python(cfg: SandboxConfig) -> str:
     return cfg.python or sys.executable
 
 
+# what every interpreter needs besides its own prefix: the dynamic loader, libc and the other shared
+# libraries (the ld.so cache names where they are), and the device files programs open
+SYSTEM_PATHS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/etc/ld.so.cache")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+
+
+def visible_paths(cfg: SandboxConfig, workdir: str) -> list[str]:
+    """Every host path a sandboxed program can see with namespaces (the launcher binds each read-only into
+    an empty root; the working directory is a fresh tmpfs at ``workdir``): the allowlist."""
+    return sorted(set(_expose_paths(cfg)) | set(SYSTEM_PATHS) | set(DEVICES) | {workdir})
+
+
 def _expose_paths(cfg: SandboxConfig) -> list[str]:
-    """Directories the interpreter needs, kept visible even when they lie under a hidden path."""
+    """The interpreter's directories (its prefixes: standard library, and site-packages when enabled), and
+    ``expose_paths``."""
     python = _python(cfg)
     if python == sys.executable:
         paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
@@ -164,7 +178,7 @@ def launcher_request(cfg: SandboxConfig, workdir: str, files: dict[str, str], ru
         "stop_on_failure": stop_on_failure,
         "limits": {k: getattr(cfg, k) for k in ("memory_mb", "max_output_bytes", "max_file_mb",
                                                  "max_processes", "max_open_files", "workdir_size_mb")},
-        "isolation": {"mode": cfg.isolation, "hide_paths": cfg.hide_paths, "expose_paths": _expose_paths(cfg)},
+        "isolation": {"mode": cfg.isolation, "visible_paths": [p for p in visible_paths(cfg, workdir) if p != workdir]},
         "uid": _sandbox_uid(cfg),
         "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
                 "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"},
@@ -194,6 +208,12 @@ def run_in_sandbox(cfg: SandboxConfig, files: dict[str, str], runs: list[Run],
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher's death signal takes down init and the program
             out, err = proc.communicate()
             failure = f"sandbox did not finish within {deadline_s:.1f} s"
+        except BaseException:
+            # interrupted in the calling process (an in-process reward's deadline or a stop signal,
+            # rewards/in_process.py): the launcher and its program go with the call, then the interruption goes on
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     finally:
         _force_rmtree(workdir)
     if failure is None and (proc.returncode != 0 or not out):
@@ -237,10 +257,10 @@ def probe_isolation(cfg: SandboxConfig) -> dict[str, Any]:
         raise SandboxUnavailable(
             f"rewards.code.sandbox: the interpreter {_python(cfg)} could not run a trivial program in the "
             f"sandbox (exit {run.exit_code}, signal {run.signal}): {run.stderr_tail.strip()[-400:]}. "
-            "Set rewards.code.sandbox.python to an interpreter every user can read, add its directory to "
-            "expose_paths, or raise memory_mb.")
+            "Set rewards.code.sandbox.python to an interpreter every user can read, add the directories it "
+            "needs to expose_paths, or raise memory_mb.")
     return reply.isolation
 
 
-__all__ = ["Run", "RunResult", "SandboxConfig", "SandboxReply", "SandboxUnavailable", "probe_isolation",
-           "run_in_sandbox"]
+__all__ = ["DEVICES", "Run", "RunResult", "SYSTEM_PATHS", "SandboxConfig", "SandboxReply", "SandboxUnavailable",
+           "probe_isolation", "run_in_sandbox", "visible_paths"]

@@ -14,9 +14,13 @@ import traceback
 from typing import Any, Callable, Mapping, Sequence
 
 from gspo_megatron.rewards.config import RewardConfig, RewardTermConfig
+from gspo_megatron.rewards.in_process import InProcessLimits, RewardInterrupted
 from gspo_megatron.rewards.types import Verdict
 
 Item = tuple[Mapping[str, Any], str]  # (prompt sample as a dict, response text)
+# the largest |reward| a term may return: the advantages square the centred rewards in float32
+# (max ~3.4e38), so 1e15 leaves room for any group size; larger is an error (scored 0, counted)
+MAX_REWARD_MAGNITUDE = 1e15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +104,9 @@ def _as_verdict(value: Any) -> Verdict:
         raise TypeError(f"a reward function must return a number, got {type(value).__name__}")
     if not math.isfinite(verdict.reward):
         raise ValueError(f"a reward function returned {verdict.reward}")
+    if abs(verdict.reward) > MAX_REWARD_MAGNITUDE:
+        raise ValueError(f"a reward function returned {verdict.reward:g}, beyond +-{MAX_REWARD_MAGNITUDE:g} "
+                         "(the group advantages are float32: a larger reward overflows them to NaN)")
     return verdict
 
 
@@ -120,11 +127,13 @@ async def _many_async(term: Term, items: Sequence[Item], timeout_s: float) -> li
     return list(await asyncio.gather(*(_one_async(term, item, timeout_s) for item in items)))
 
 
-def _batched(term: Term, items: Sequence[Item], timeout_s: float) -> list[Outcome]:
+def _batched(term: Term, items: Sequence[Item], timeout_s: float, limits: InProcessLimits | None) -> list[Outcome]:
     samples, responses = [s for s, _ in items], [r for _, r in items]
     try:
         if term.is_async:
             values = asyncio.run(asyncio.wait_for(term.fn(samples, responses), timeout_s * len(items)))
+        elif limits is not None:
+            values = limits.call(term.fn, (samples, responses), timeout_s * len(items))
         else:
             values = term.fn(samples, responses)
         values = list(values)
@@ -133,21 +142,28 @@ def _batched(term: Term, items: Sequence[Item], timeout_s: float) -> list[Outcom
         return [Outcome(_as_verdict(v)) for v in values]
     except asyncio.TimeoutError:
         return [Outcome(None, "batch timed out", timed_out=True)] * len(items)
+    except RewardInterrupted as err:
+        return [Outcome(None, f"batch {err}", timed_out=True)] * len(items)
     except Exception as err:  # the whole batch scores 0 and is counted
         return [_error(err)] * len(items)
 
 
-def evaluate(term: Term, items: Sequence[Item], timeout_s: float) -> list[Outcome]:
+def evaluate(term: Term, items: Sequence[Item], timeout_s: float,
+             limits: InProcessLimits | None = None) -> list[Outcome]:
     """Run ``term`` on ``items``. Exceptions become error outcomes; async calls get ``timeout_s`` each.
-    Synchronous per-response calls have no timeout here: the pool enforces it by killing the worker."""
+    Synchronous calls: in a worker, no timeout here (the pool enforces it by killing the worker); in the
+    calling process (``limits``, num_workers: 0) a deadline and the stop signals (rewards/in_process.py)."""
     if term.batched:
-        return _batched(term, items, timeout_s)
+        return _batched(term, items, timeout_s, limits)
     if term.is_async:
         return asyncio.run(_many_async(term, items, timeout_s))
     outcomes = []
     for item in items:
         try:
-            outcomes.append(Outcome(_as_verdict(term.fn(*item))))
+            value = term.fn(*item) if limits is None else limits.call(term.fn, item, timeout_s)
+            outcomes.append(Outcome(_as_verdict(value)))
+        except RewardInterrupted as err:
+            outcomes.append(Outcome(None, f"{err} (after up to {timeout_s:g} s, in process)", timed_out=True))
         except Exception as err:  # a failing reward scores 0 and is counted, it never stops training
             outcomes.append(_error(err))
     return outcomes

@@ -83,20 +83,46 @@ def turn_seed(seed: int, turn: int) -> int:
     return sample_seed(seed, -turn, -1)
 
 
-def parse_tool_calls(text: str) -> list[tuple[Any, Any] | str]:
+MAX_ARGUMENT_DEPTH = 32  # nesting of a call's arguments; deeper is refused (JSON recursion costs a C stack each)
+
+
+def json_depth(value: Any) -> int:
+    """How deeply ``value`` (parsed JSON) nests lists and objects (a scalar: 0); iterative, so no depth can
+    raise RecursionError here."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def parse_tool_calls(text: str) -> list[tuple[str, dict] | str]:
     """The ``<tool_call>`` blocks of one model turn: (name, arguments) per well-formed call, or the reason a
-    block is malformed (a string, answered as an error)."""
-    calls: list[tuple[Any, Any] | str] = []
+    block is malformed (a string, answered as an error). The model's text is untrusted: no block raises."""
+    calls: list[tuple[str, dict] | str] = []
     for body in TOOL_CALL.findall(text):
         try:
             call = json.loads(body)
         except json.JSONDecodeError as err:
             calls.append(f"error: the tool call is not valid JSON ({err.msg})")
             continue
-        if not isinstance(call, dict) or "name" not in call:
-            calls.append('error: a tool call is {"name": ..., "arguments": {...}}')
+        except RecursionError:
+            calls.append("error: the tool call nests too deeply")
             continue
-        calls.append((call["name"], call.get("arguments", {})))
+        except ValueError as err:  # a number beyond Python's int-string limit (4,300 digits)
+            calls.append(f"error: the tool call cannot be read ({str(err)[:80]})")
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append('error: a tool call is {"name": "<tool>", "arguments": {...}}')
+            continue
+        arguments = call.get("arguments", {})
+        if json_depth(arguments) > MAX_ARGUMENT_DEPTH:
+            calls.append(f"error: the arguments nest deeper than {MAX_ARGUMENT_DEPTH} levels")
+            continue
+        calls.append((call["name"], arguments))
     return calls
 
 

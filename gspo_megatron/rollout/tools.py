@@ -9,12 +9,15 @@ Three kinds, each ``tool(arguments: dict) -> str``:
                isolation and limits (``rewards.code.sandbox``); the trainer hands the registry that runner
                (``rewards.sandbox.python_tool``: rollout does not import rewards); the answer is its stdout
                (or its error).
-  user tools   ``module.path:function``, a plain ``f(**arguments) -> str`` loaded like a user reward; it
-               runs in a separate worker interpreter (``_worker_main``) so that one which hangs is killed
-               at ``tool_timeout_s`` and the worker is restarted.
+  user tools   ``module.path:function``, a plain ``f(**arguments) -> str`` loaded like a user reward
+               (imported at start-up: trainer/config.py ``check_tool_imports``); it runs in a separate
+               worker interpreter (``_worker_main``), the leader of its own process group, so that one
+               which hangs is killed at ``tool_timeout_s`` with everything it started, and the worker is
+               restarted.
 
-Faults never leave the registry: an unknown tool, malformed arguments, a tool that raises or times out
-becomes an error message (``error: ...``) that the model reads as the tool's answer, and is counted in
+Faults never leave the registry: an unknown tool or a name that is not a string, malformed arguments, a tool
+that raises or times out, an answer that is not valid text becomes an error message (``error: ...``) that the
+model reads as the tool's answer, and is counted in
 ``ToolResult`` (the agent loop sums them into the ``tool_errors`` / ``tool_timeouts`` metrics). A tool's
 answer is cut to ``max_output_chars`` before it leaves the worker, then to the configured number of tokens
 by the agent loop, so a tool that floods its output costs a bounded message.
@@ -27,6 +30,7 @@ import json
 import operator
 import os
 import select
+import signal
 import subprocess
 import sys
 from typing import Any, Callable
@@ -158,8 +162,10 @@ class ToolWorker:
     def _start(self) -> subprocess.Popen:
         code = ("from gspo_megatron.processes import die_with_parent; die_with_parent(%d); "
                 "from gspo_megatron.rollout.tools import _worker_main; _worker_main()" % os.getpid())
+        # its own session: the worker leads a process group that holds whatever the tools start, so a timeout
+        # kills them too (close); the reward pool's workers are started the same way
         proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL)
+                                stderr=subprocess.DEVNULL, start_new_session=True)
         proc.stdin.write((json.dumps({"sys_path": sys.path}) + "\n").encode())
         proc.stdin.flush()
         self._buffer = b""
@@ -205,9 +211,12 @@ class ToolWorker:
         return line
 
     def close(self) -> None:
+        """Kill the worker's process group (the worker and every process a tool started in it), then reap."""
         if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.kill()
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)  # the group id is the worker's pid (start_new_session)
+            except ProcessLookupError:
+                pass  # the worker and all its children have exited already
             self._proc.wait()
             for stream in (self._proc.stdin, self._proc.stdout):
                 stream.close()
@@ -238,26 +247,38 @@ class ToolRegistry:
         return sorted(self._tools)
 
     def call(self, name: Any, arguments: Any) -> ToolResult:
-        """Run tool ``name`` on ``arguments`` (a dict); faults come back as an error ``ToolResult``."""
+        """Run tool ``name`` on ``arguments`` (a dict); faults come back as an error ``ToolResult``. Both come
+        from the model's text: any JSON value, so neither is trusted to be hashable or the right type. The
+        answer is at most ``max_output_chars`` characters of text a tokenizer accepts: an answer holding a
+        lone surrogate (which JSON's ``"\\ud800"`` makes, and a tool may echo back) is a failed call."""
+        result = self._run(name, arguments)
+        try:
+            result.text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return ToolResult(f"error: the tool's answer is not valid text ({err.reason} at character {err.start})",
+                              error=True)
+        if len(result.text) > self.max_output_chars:
+            return dataclasses.replace(result, text=result.text[:self.max_output_chars], truncated=True)
+        return result
+
+    def _run(self, name: Any, arguments: Any) -> ToolResult:
+        if not isinstance(name, str):
+            return ToolResult(f"error: a tool name is a string, not a {type(name).__name__}", error=True)
         if name not in self._tools:
-            return ToolResult(f"error: unknown tool {str(name)[:64]!r} (tools: {', '.join(self.names)})", error=True)
+            return ToolResult(f"error: unknown tool {name[:64]!r} (tools: {', '.join(self.names)})", error=True)
         if not isinstance(arguments, dict):
             return ToolResult("error: 'arguments' must be a JSON object", error=True)
         kind = self._tools[name]
         if kind == "python":
             if not isinstance(arguments.get("code"), str):
                 return ToolResult('error: python needs {"code": "<program>"}', error=True)
-            result = ToolResult(*self.run_python(arguments["code"], self.timeout_s))
-        elif kind == "calculator":
+            return ToolResult(*self.run_python(arguments["code"], self.timeout_s))
+        if kind == "calculator":
             try:
-                result = ToolResult(calculator(arguments))
+                return ToolResult(calculator(arguments))
             except ToolError as err:
                 return ToolResult(f"error: {err}", error=True)
-        else:
-            result = self._worker.call(kind, arguments)
-        if len(result.text) > self.max_output_chars:
-            result = dataclasses.replace(result, text=result.text[:self.max_output_chars], truncated=True)
-        return result
+        return self._worker.call(kind, arguments)
 
     def close(self) -> None:
         if self._worker is not None:

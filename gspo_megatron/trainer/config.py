@@ -271,6 +271,8 @@ class TrainConfig:
               "must be false with train.rollout_mode: overlap (the servers generate the next batch while the trainer "
               "trains, so they cannot give their GPU memory back meanwhile)")
         check_reward_imports(self.rewards)
+        if self.rollout.multi_turn is not None:
+            check_tool_imports(self.rollout.multi_turn.tools, self.rewards.import_dirs)
         check(self.rollout.multi_turn is None or self.train.routing_replay != "r3", "train.routing_replay",
               "r3 is not supported with rollout.multi_turn (the engine's experts of the tool tokens are not recorded)")
         check(self.sft.traces is None or self.rollout.multi_turn is not None, "sft.traces",
@@ -343,6 +345,20 @@ def check_reward_imports(rewards: RewardConfig) -> None:
         if term.name not in BUILTIN_TERMS:
             try:
                 import_function(term.name, f"rewards.terms[{i}].name", rewards.import_dirs)
+            except RewardSetupError as err:
+                raise ConfigError(str(err)) from None
+
+
+def check_tool_imports(tools: list, import_dirs: list[str]) -> None:
+    """Import each ``module:function`` tool of ``rollout.multi_turn.tools`` now, like a user reward (rewards.
+    import_dirs first on the path, which the tool worker inherits): a bad path is one line naming the tool."""
+    from gspo_megatron.rewards.terms import RewardSetupError, import_function
+    from gspo_megatron.rollout.tools import BUILTIN_TOOLS
+
+    for i, tool in enumerate(tools):
+        if tool.name not in BUILTIN_TOOLS:
+            try:
+                import_function(tool.name, f"rollout.multi_turn.tools[{i}].name", import_dirs)
             except RewardSetupError as err:
                 raise ConfigError(str(err)) from None
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.algorithms.advantages import group_advantages
+from gspo_megatron.trainer.finite import check_advantages, check_some_update_applied
 from gspo_megatron.algorithms.metrics import combine_minibatches
 from gspo_megatron.megatron import checkpoint as ckpt
 from gspo_megatron.megatron import sharding
@@ -583,6 +584,7 @@ class Trainer:
         rewards = torch.tensor([r for _, _, rs, _ in batch for r in rs], dtype=torch.float32).view(len(batch), G)
         adv = group_advantages(rewards, estimator=cfg.loss.advantage_estimator, eps=cfg.loss.advantage_eps,
                                batch_norm=cfg.loss.advantage_batch_norm)
+        check_advantages(rewards, adv.advantages, cfg.rewards.terms, self.step + 1)
         seqs = _training_sequences(batch, adv.advantages, with_routing=replay in ("r3", "auto"), keep=filled.keep)
         minibatches = list(iter_minibatches(seqs, cfg.train.minibatches_per_step))
         shares = [split_for_data_parallel(mb, self.dp_size, self.dp_rank) for mb in minibatches]
@@ -605,6 +607,7 @@ class Trainer:
         t2 = time.perf_counter()
         update_metrics, metrics = self._update(shares, replay)
         self.faults["skipped_updates"] = self.policy.skipped_steps
+        check_some_update_applied(update_metrics, self.step + 1, self.policy.skipped_steps)
         timings["time_update_s"] = time.perf_counter() - t2
 
         t3 = time.perf_counter()

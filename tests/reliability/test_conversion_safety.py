@@ -125,3 +125,26 @@ def test_a_malformed_json_file_is_named_with_its_line(converted, tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith(f"gspo-megatron convert: error: {tmp_path / broken}:3: not valid JSON ("), err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("key, value, named", [
+    ("num_hidden_layers", 1_000_000_000, "num_hidden_layers=1000000000 but the weights hold 2 layers"),
+    ("num_experts", 1_000_000, "num_experts=1000000 but the weights hold 4 experts")])
+def test_config_sizes_beyond_the_weights_present_are_refused_before_allocating(converted, tmp_path, capsys, key,
+                                                                             value, named):
+    """A config.json whose sizes the weights do not have is refused from the tensor headers, before any model,
+    layout or table is built (1e9 layers used to grow memory without bound)."""
+    import json
+    import resource
+
+    _, hf, _ = converted
+    shutil.copytree(hf, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config[key] = value
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    code = cli.main(["hf-to-megatron", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and f"config.json: {named}" in err[0], err
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: nothing was built

@@ -51,3 +51,32 @@ def test_a_signal_in_the_warm_start_saves_it_and_the_resume_continues_it(tmp_pat
         # the warm start's losses: one per sft step, the stopped run's kept and continued, none twice
         losses = (run_dir / "sft_metrics.jsonl").read_text().splitlines()
         assert [json.loads(line)["step"] for line in losses] == list(range(1, meta["warm_start"]["step"] + 3))
+
+
+def test_sigterm_stops_a_run_whose_in_process_reward_hangs(tmp_path):
+    """rewards.num_workers: 0 (the demos) with a reward that sleeps for an hour: SIGTERM during the rewards
+    (here the step-0 evaluation's) reaches the trainer's flag and ends the in-process calls, counted as
+    timeouts; the run saves and exits 0, leaving nothing running."""
+    env, tag = tagged_env()
+    started = tmp_path / "reward_started"
+    env["GSPO_TEST_REWARD_STARTED"] = str(started)
+    run_dir = tmp_path / "run"
+    overrides = ["train.steps=3", "sft.steps=0", "eval.every_steps=0", "rewards.num_workers=0",
+                 "rewards.terms=[{name: 'tests.reliability.failing_reward:sleeps'}]"]
+    proc, out, reader = start_train(run_dir, overrides, 1, env)
+    try:
+        deadline = time.monotonic() + 300
+        while not started.exists():
+            assert proc.poll() is None, "the run ended before its rewards:\n" + "".join(out[-30:])
+            assert time.monotonic() < deadline, "no rewards in time"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, "".join(out[-30:])
+        reader.join(timeout=10)
+        assert not wait_until_gone(tag, 10)
+        text = "".join(out)
+        assert "preempted: checkpoint saved at step 0; exiting (SIGTERM" in text, text[-3000:]
+        assert "sleeps: skipped: stopped by SIGTERM" in text, text[-3000:]  # the first call ended, the rest skipped
+    finally:
+        proc.kill()
+        kill_tagged(tag)

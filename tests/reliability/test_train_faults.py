@@ -164,3 +164,36 @@ def test_a_resume_on_other_training_data_is_refused_with_exit_2(run_dir, tmp_pat
     assert "Traceback" not in proc.stderr and (copy / "config.yaml").read_bytes() == config
     assert "resume: data.train_files" not in proc.stdout  # refused before any change is logged as applied
     assert not (copy / ".lock").exists()
+
+
+def test_a_reward_too_large_for_the_advantages_is_a_counted_failure_naming_its_term(tmp_path):
+    """A finite reward of 1e300 (float32 advantages: inf - inf = NaN) is refused per response like a reward
+    that raises: scored 0, counted, the warning names the term; training goes on and no update is skipped."""
+    run_dir = tmp_path / "run"
+    huge = "rewards.terms=[{name: synthetic}, {name: 'tests.reliability.failing_reward:huge'}]"
+    proc = _run(train_command(run_dir, "train.steps=1", "sft.steps=0", "eval.every_steps=0", huge))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "huge: ValueError: a reward function returned 1e+300" in proc.stdout + proc.stderr, proc.stdout[-3000:]
+    step = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert step["reward/huge/errors"] == 2 * 8 and step["faults/skipped_updates"] == 0
+
+
+def test_weighted_rewards_that_overflow_the_advantages_stop_the_run_naming_the_terms(tmp_path):
+    """weight 1e300 x a reward of 0 or 1: the summed reward is inf in float32 and the advantages NaN, so every
+    update of the step would be skipped and the run would exit 0 having trained nothing: it stops instead,
+    naming the term."""
+    run_dir = tmp_path / "run"
+    proc = _run(train_command(run_dir, "train.steps=2", "sft.steps=0", "eval.every_steps=0",
+                              "rewards.terms=[{name: synthetic}, "
+                              "{name: 'tests.reliability.failing_reward:parity', weight: 1.0e300}]"))
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "the group advantages are not finite" in proc.stderr, proc.stderr[-2000:]
+    assert "rewards.terms[1] 'parity' (weight 1e+300)" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_step_whose_every_update_is_skipped_stops_the_run():
+    from gspo_megatron.trainer.finite import TrainingStopped, check_some_update_applied
+
+    check_some_update_applied([{"update_skipped": 1.0}, {"update_skipped": 0.0}], 3, 1)  # one is contained
+    with pytest.raises(TrainingStopped, match="step 3: every update was skipped"):
+        check_some_update_applied([{"update_skipped": 1.0}, {"update_skipped": 1.0}], 3, 2)

@@ -284,3 +284,54 @@ def test_non_finite_reward_settings_are_refused(field, value):
 
     with pytest.raises(ConfigError, match=rf"rewards.terms\[0\].{field}: must be a finite number"):
         _cfg([{"name": "math", field: yaml.safe_load(value)}])
+
+
+@pytest.mark.timeout(60)
+def test_an_in_process_reward_that_sleeps_times_out(custom_module):
+    """num_workers: 0 (the demos' setting): a reward still running at timeout_s is interrupted in the calling
+    process, scores 0 and is counted as a timeout; the other responses score as usual."""
+    cfg = _cfg([{"name": f"{custom_module}:flaky"}], num_workers=0, timeout_s=0.5)
+    start = time.monotonic()
+    with RewardPool(cfg) as pool:
+        rewards, metrics = pool.score([({}, "ok"), ({}, "sleep"), ({}, "ok")])
+    assert time.monotonic() - start < 5
+    assert rewards == [1.0, 0.0, 1.0] and metrics["rewards/flaky/timeouts"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_signal_ends_in_process_rewards_and_reaches_the_trainers_flag(custom_module):
+    """SIGTERM while an in-process reward sleeps: the trainer's preemption flag records it (the run saves and
+    exits after the step) and the batch's remaining in-process rewards are cut short, not waited for."""
+    import signal
+    import threading
+
+    from gspo_megatron.trainer.preemption import PreemptionFlag
+
+    cfg = _cfg([{"name": f"{custom_module}:flaky"}], num_workers=0, timeout_s=30)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    with PreemptionFlag() as flag, RewardPool(cfg) as pool:
+        start = time.monotonic()
+        timer.start()
+        rewards, metrics = pool.score([({}, "ok"), ({}, "sleep"), ({}, "sleep"), ({}, "ok")])
+        elapsed = time.monotonic() - start
+    assert flag.requested and flag.signal_name == "SIGTERM"
+    assert elapsed < 5 and rewards == [1.0, 0.0, 0.0, 0.0] and metrics["rewards/flaky/timeouts"] == 3
+
+
+@pytest.mark.timeout(60)
+def test_an_in_process_code_reward_cut_by_its_deadline_leaves_no_sandbox(tmp_path):
+    """num_workers: 0 with the code reward: a program that sleeps past rewards.timeout_s is interrupted in the
+    calling process, and its sandbox (launcher, init and program, under a sandbox uid) goes with it."""
+    sandbox = {**FAST_SANDBOX, "case_timeout_s": 30, "cpu_time_s": 30}
+    cfg = _cfg([{"name": "code"}], num_workers=0, timeout_s=1.0, code={"sandbox": sandbox})
+    sample = {"tests": {"inputs": [""], "outputs": ["1"]}}
+    with RewardPool(cfg) as pool:
+        start = time.monotonic()
+        rewards, metrics = pool.score([(sample, code_block("import time\ntime.sleep(25)\nprint(1)"))])
+        assert time.monotonic() - start < 10
+    assert rewards == [0.0] and metrics["rewards/code/timeouts"] == 1
+    left, deadline = sandbox_uid_processes(build(SandboxConfig, sandbox, "sandbox")), time.monotonic() + 3
+    while left and time.monotonic() < deadline:  # init's death signal and the namespace teardown are asynchronous
+        time.sleep(0.05)
+        left = sandbox_uid_processes(build(SandboxConfig, sandbox, "sandbox"))
+    assert left == []

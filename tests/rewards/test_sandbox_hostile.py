@@ -161,9 +161,9 @@ def test_environment_secrets_are_not_visible(monkeypatch, isolation):
     assert secret not in run.stdout, run.stdout
     assert run.stdout.startswith("nothing")
     assert _reward(source.replace(", sorted(os.environ)", ""), secret) == 0.0
-    if "/root" in isolation["hidden_paths"]:
-        # only the path to the interpreter survives under a hidden folder (here pyenv lives in /root)
-        visible = set(eval(_run("import os\nprint(sorted(os.listdir('/root')))").stdout))
+    if isolation["namespaces"] is not None and os.path.isdir("/root"):
+        # only the path to the interpreter is in /root (when pyenv lives there): not the trainer's home
+        visible = set(eval(_run("import os\nprint(sorted(os.listdir('/root')) if os.path.isdir('/root') else [])").stdout))
         exposed = {p.split("/")[2] for p in _expose_paths(SANDBOX) if p.startswith("/root/")}
         assert visible <= exposed, visible
 
@@ -232,5 +232,40 @@ def test_user_namespace_mode_as_an_unprivileged_user(tmp_path):
         pytest.skip("unprivileged user namespaces are disabled here: " + "; ".join(reply["isolation"]["notes"]))
     assert reply["setup_error"] is None, reply
     assert reply["isolation"]["namespaces"] == "user" and reply["isolation"]["readonly_fs"]
+    assert reply["runs"][0]["stdout"], reply["runs"][0]["stderr_tail"]
     caps, umount, wrote, net = reply["runs"][0]["stdout"].split()
     assert int(caps, 16) == 0 and umount == "-1" and wrote == "False" and net == "False"
+
+
+def test_the_file_view_is_an_allowlist(tmp_path, isolation):
+    """A program sees the interpreter's files, a few system libraries and device files, and its working
+    directory; nothing else, wherever the project, its data or a run folder lies (here: the project's own
+    held-out data, a run folder under /tmp, a secret beside the project, /etc)."""
+    if isolation["namespaces"] is None:
+        pytest.skip("no mount namespace here: the fallback sees what its uid can read (docs/rewards.md)")
+    from pathlib import Path
+
+    from gspo_megatron.rewards.sandbox import visible_paths
+
+    repo = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoint.txt").write_text("weights")
+    os.chmod(tmp_path, 0o755)
+    outside = Path(__import__("tempfile").mkdtemp(dir=repo.parent, prefix="gspo-sandbox-secret-"))
+    try:
+        os.chmod(outside, 0o755)
+        (outside / "answers.jsonl").write_text("42")
+        os.chmod(outside / "answers.jsonl", 0o644)
+        targets = [str(repo / "examples/data/arithmetic3/eval.jsonl"), str(run_dir / "checkpoint.txt"),
+                   str(outside / "answers.jsonl"), "/etc/passwd", str(repo / "setup.py")]
+        source = ("import os\nread = []\nfor p in " + repr(targets) + ":\n"
+                  "    try:\n        open(p).read()\n        read.append(p)\n    except OSError:\n        pass\n"
+                  "print(read, sorted(os.listdir('/')))\n")
+        run = _run(source)
+    finally:
+        shutil.rmtree(outside)
+    read, top = run.stdout.rsplit("] ", 1)
+    assert read == "[", (run.stdout, run.stderr_tail)
+    allowed = {p.split("/")[1] for p in visible_paths(SANDBOX, "/tmp/x")} | {"proc"}
+    assert set(eval(top)) <= allowed, (eval(top), allowed)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+from pathlib import Path
+import time
 
 import pytest
 import torch
@@ -345,3 +348,102 @@ def test_the_overlap_engine_process_runs_the_same_trajectories():
         assert a.response_ids == b.response_ids and a.response_mask == b.response_mask
         assert a.tool_stats == b.tool_stats
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+HOSTILE_CALLS = {
+    "name is an object": '{"name":{}}',
+    "name is a list": '{"name":[],"arguments":{}}',
+    "1,200 nested lists": '{"name":"calculator","arguments":' + "[" * 1200 + "]" * 1200 + "}",
+    "a 5,000-digit number": '{"name":"calculator","arguments":{"expression":' + "7" * 5000 + "}}",
+    "deep but parseable arguments": '{"name":"echo","arguments":{"text":' + "[" * 900 + "]" * 900 + "}}",
+    "a lone surrogate echoed by the tool": '{"name":"echo","arguments":{"text":"\\ud800"}}',
+}
+
+
+@pytest.mark.parametrize("body", list(HOSTILE_CALLS.values()), ids=list(HOSTILE_CALLS))
+def test_a_hostile_tool_call_is_a_counted_failed_call_and_the_rollout_goes_on(body):
+    """A hostile policy: the model's call token is the malformed call, run end to end through the real engine
+    and agent loop; every call is answered with an error message the model reads, and counted."""
+    call = f"<tool_call>{body}</tool_call>"
+    loop = agent(tools=[ToolConfig("calculator"), ToolConfig("tests.rollout.tool_fixtures:echo", key="echo")],
+                 call=call, max_tool_output_tokens=4)
+    try:
+        samples = loop.generate(PROMPTS[:2], 8, params())
+    finally:
+        loop.tools.close()
+    calls = sum(s.tool_stats["tool_calls"] for s in samples)
+    assert calls >= 1 and sum(s.tool_stats["tool_errors"] for s in samples) == calls
+    tok = tokenizer(call)
+    answers = [tok.decode(s.response_ids[start:stop]) for s in samples
+               for is_model, start, stop in segments(s.response_mask) if not is_model]
+    assert answers and all("err" in a for a in answers)
+
+
+def test_a_user_tool_that_times_out_leaves_no_process_behind(tmp_path):
+    """The tool's own child (a ``sleep``) dies with it at the timeout: the registry kills the worker's whole
+    process group, not only the worker."""
+    from gspo_megatron.processes import pid_running
+
+    pid_file = tmp_path / "child.pid"
+    registry = ToolRegistry([ToolConfig("tests.rollout.tool_fixtures:spawn_and_hang", key="spawn")], timeout_s=1.0)
+    try:
+        result = registry.call("spawn", {"pid_file": str(pid_file)})
+        assert result.timed_out
+        child = int(pid_file.read_text())
+        deadline = time.monotonic() + 5
+        while pid_running(child) and _state(child) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pid_running(child) or _state(child) == "Z", "the tool's child outlived the timeout"
+    finally:
+        registry.close()
+
+
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` (Z: a zombie, dead but not yet reaped by its adopter)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+TOOL_DEMO = Path(__file__).resolve().parents[2] / "examples" / "cpu_tool_demo.yaml"
+
+
+@pytest.mark.parametrize("name, message", [
+    ("nosuchmod:f", "cannot import module 'nosuchmod'"),
+    ("tests.rollout.tool_fixtures:nosuch", "has no callable 'nosuch'"),
+])
+def test_a_tool_path_that_does_not_import_is_refused_at_start_up(name, message):
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.typed_config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape("rollout.multi_turn.tools[0].name: ") + ".*" + re.escape(message)):
+        load_config(TOOL_DEMO, [f"rollout.multi_turn.tools=[{{name: '{name}'}}]"])
+
+
+def test_a_tool_module_beside_the_config_is_found_by_the_tool_worker(tmp_path):
+    """``mytool.py`` beside the config imports like a reward module beside it (``rewards.import_dirs``,
+    default the config's folder), in a fresh interpreter that has nothing else on its path."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = yaml.safe_load(TOOL_DEMO.read_text())
+    config["data"]["train_files"] = [str(TOOL_DEMO.parent / f) for f in config["data"]["train_files"]]
+    config["data"]["eval_files"] = [str(TOOL_DEMO.parent / f) for f in config["data"]["eval_files"]]
+    config["model"]["tokenizer_dir"] = str((TOOL_DEMO.parent / config["model"]["tokenizer_dir"]).resolve())
+    config["rollout"]["multi_turn"]["tools"] = [{"name": "mytool:add"}]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "mytool.py").write_text("def add(a, b):\n    return str(a + b)\n")
+    script = ("import sys; from gspo_megatron.trainer.config import load_config; "
+              "from gspo_megatron.rollout.tools import ToolRegistry; "
+              f"cfg = load_config({str(tmp_path / 'config.yaml')!r}); "
+              "registry = ToolRegistry(cfg.rollout.multi_turn.tools); "
+              "print(registry.call('add', {'a': 2, 'b': 3})); registry.close()")
+    repo = str(TOOL_DEMO.parents[1])
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd="/", timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "ToolResult(text='5', error=False, timed_out=False, truncated=False)"

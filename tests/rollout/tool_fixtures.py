@@ -18,3 +18,14 @@ def hang(**_arguments) -> str:
 def flood(**_arguments) -> str:
     print("noise on the tool's stdout must not corrupt the worker's replies")
     return "x" * 5_000_000
+
+
+def spawn_and_hang(pid_file: str) -> str:
+    """Starts a child that would outlive the tool (a shell sleeping), records its pid, then hangs."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "600"])
+    with open(pid_file, "w") as f:
+        f.write(str(child.pid))
+    time.sleep(600)
+    return "never"
