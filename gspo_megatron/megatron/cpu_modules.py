@@ -267,29 +267,12 @@ class PaddingFreeMoELayer(MoELayer):
         return probs * real, routing_map & real
 
 
-# megatron-core releases whose unfused token permutation sizes its output from the routing map
-# (masked_select), so rows PaddingFreeMoELayer empties shrink what the dispatcher sends. From 0.19 the
-# dropless permutation is fixed-shape for CUDA graphs (``num_tokens x topk`` rows, moe_utils.permute), and
-# emptied rows would leave the alltoall dispatcher's split sizes short of what it permuted.
-PADDING_FREE_DISPATCH_IN = ("0.16.1",)
-
-
-def padding_free_applies() -> bool:
-    """Whether ``skip_padding_in_moe_layers`` can make MoE layers padding-free on this megatron-core."""
-    from gspo_megatron.megatron.cpu_runtime import megatron_core_version
-
-    return megatron_core_version() in PADDING_FREE_DISPATCH_IN
-
-
 def skip_padding_in_moe_layers(model: torch.nn.Module) -> int:
-    """Make every ``MoELayer`` of ``model`` a ``PaddingFreeMoELayer`` (returns how many; none where
-    ``padding_free_applies`` says the permutation is fixed-shape: padded tokens are then computed and
-    discarded, the same outputs). Done on the built
+    """Make every ``MoELayer`` of ``model`` a ``PaddingFreeMoELayer`` (returns how many; the caller asks
+    ``model.padding_free_applies`` first). Done on the built
     model, not through the layer spec: Megatron's ``TransformerLayer`` hands its process groups only to MLP
     classes it knows by identity (a subclass in the spec is built with default groups and a warning). The
     subclass adds no state, so the object keeps every attribute, parameter and hook it was built with."""
-    if not padding_free_applies():
-        return 0
     layers = [m for m in model.modules() if type(m) is MoELayer]
     for layer in layers:
         layer.__class__ = PaddingFreeMoELayer

@@ -352,6 +352,19 @@ def stage_layer_specs(model: ModelConfig, config, specs: dict) -> list:
     return [specs[model.is_moe_layer(offset + i)] for i in range(get_num_layers_to_build(config))]
 
 
+# megatron-core releases whose unfused token permutation sizes its output from the routing map
+# (masked_select), so rows PaddingFreeMoELayer empties shrink what the dispatcher sends. From 0.19 the
+# dropless permutation is fixed-shape for CUDA graphs (``num_tokens x topk`` rows, moe_utils.permute), and
+# emptied rows would leave the alltoall dispatcher's split sizes short of what it permuted.
+PADDING_FREE_DISPATCH_IN = ("0.16.1",)
+
+
+def padding_free_applies() -> bool:
+    """Whether ``cpu_modules.skip_padding_in_moe_layers`` can make MoE layers padding-free on this
+    megatron-core (elsewhere padded tokens are computed and discarded: the same outputs)."""
+    return cpu_runtime.megatron_core_version() in PADDING_FREE_DISPATCH_IN
+
+
 def build_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32,
                 max_sequence_length: int | None = None, fast_cpu_modules: bool = True,
                 runtime: ModelRuntime | None = None):
@@ -382,7 +395,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, params_dtype: torc
         rope_scaling=model.rope_llama3_factor > 0,
         rope_scaling_factor=model.rope_llama3_factor or 8.0,
     )
-    if fast_cpu_modules and resolve_layer_spec(runtime.layer_spec if runtime else "auto") == "local":
+    if (fast_cpu_modules and resolve_layer_spec(runtime.layer_spec if runtime else "auto") == "local"
+            and padding_free_applies()):
         from gspo_megatron.megatron import cpu_modules
 
         cpu_modules.skip_padding_in_moe_layers(gpt)

@@ -116,7 +116,7 @@ def test_experts_fall_back_to_the_parent_forward_for_other_settings(single):
 
 # ---- whole model ---------------------------------------------------------------------------------------
 def test_new_spec_keeps_parameter_names_shapes_and_sharded_state_dict(single):
-    from gspo_megatron.megatron.cpu_modules import padding_free_applies
+    from gspo_megatron.megatron.model import padding_free_applies
 
     m = single["model"]
     moe = "PaddingFreeMoELayer" if padding_free_applies() else "MoELayer"
@@ -158,7 +158,7 @@ def test_padded_positions_reach_no_expert_and_change_nothing_real(single):
     real = _check_right_padding(run, config.moe_router_topk)
     b, s = run["padding"].shape
     assert 0 < real < b * s
-    from gspo_megatron.megatron.cpu_modules import padding_free_applies
+    from gspo_megatron.megatron.model import padding_free_applies
 
     computed = real if padding_free_applies() else b * s  # 0.19's fixed-shape permutation: every token
     assert run["new"]["expert_tokens"] == computed * config.moe_router_topk * config.num_layers
