@@ -194,23 +194,23 @@ def _setup_filesystem(req: dict, report: dict, ns: str) -> None:
     """Runs in init (pid 1, root of its namespaces). The program's filesystem is an allowlist: a fresh tmpfs
     root holding read-only bind mounts of ``visible_paths`` (the interpreter's files, system libraries,
     a few device files; sandbox.visible_paths) and the working directory, a fresh size-limited tmpfs. The
-    tmpfs is mounted over /tmp in this private namespace, made the root with pivot_root, and the old root
-    is detached: nothing else of the host is reachable, whatever its path."""
+    tmpfs is mounted over the (empty) working folder in this private namespace, made the root with
+    pivot_root, and the old root is detached: nothing else of the host is reachable, whatever its path."""
     iso, limits = req["isolation"], req["limits"]
     workdir = req["workdir"]
     os.umask(0o022)
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing below propagates to the host
 
-    # the new root's mount point: /tmp is searchable by every user (an unprivileged launcher in a user
-    # namespace cannot reach a path through a folder mode 700 it does not own), and a mount over it in this
-    # private namespace changes nothing on the host
-    root = "/tmp"
+    # the new root's mount point: the call's own working folder (fresh, empty, owned by this uid), which is
+    # no ancestor of anything the program may see; a mount over it in this private namespace hides nothing
+    # else (over /tmp it would hide an interpreter or venv that lives under /tmp)
+    root = workdir
+    shown = [p for p in iso["visible_paths"] if p != workdir and os.path.exists(p)]  # workdir: its own tmpfs
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-    real = sorted({os.path.realpath(p) for p in iso["visible_paths"] if os.path.exists(p)})
+    real = sorted({os.path.realpath(p) for p in shown})
     bound = [p for p in real if not any(q != p and _under(p, q) for q in real)]
-    for path in iso["visible_paths"]:
-        if os.path.exists(path):
-            _mirror_symlinks(path, root, bound)
+    for path in shown:
+        _mirror_symlinks(path, root, bound)
     for path in bound:
         target = root + path
         if os.path.isdir(path):

@@ -11,8 +11,10 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -199,7 +201,7 @@ def test_fallback_contains_time_output_and_escaped_children():
         os.kill(pid, 0)
 
 
-def test_user_namespace_mode_as_an_unprivileged_user(tmp_path):
+def test_user_namespace_mode_as_an_unprivileged_user():
     """The path a non-root trainer takes: the launcher as uid 65534 (system Python, since this venv's
     interpreter lives under /root) gets a user namespace; the program has no capabilities and cannot
     undo the mounts, write outside its directory or reach the network."""
@@ -215,17 +217,22 @@ def test_user_namespace_mode_as_an_unprivileged_user(tmp_path):
                "try:\n    socket.create_connection(('127.0.0.1', 22), timeout=1)\n    net = True\n"
                "except OSError:\n    net = False\n"
                "print(caps, umount, wrote, net)\n")
-    workdir = tmp_path / "work"
-    workdir.mkdir(mode=0o777)
-    os.chmod(tmp_path, 0o755)
+    # the working folder as that user's trainer makes it (tempfile.mkdtemp in /tmp): reachable by the launcher,
+    # whose private root is mounted over it (pytest's tmp_path lies under root's mode-700 folder)
+    workdir = Path(tempfile.mkdtemp(prefix="gspo-sandbox-test-"))
+    os.chmod(workdir, 0o777)
     request = launcher_request(cfg, str(workdir), {"solution.py": program}, [Run(["solution.py"], return_stdout=True)],
                                stop_on_failure=False)
     # A real non-root trainer runs the launcher from its own checkout; this impersonation may not be able
     # to read ours (a clone under /root), so the launcher's source is handed over on the command line.
     with open(LAUNCHER) as f:
         launcher_source = f.read()
-    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", system_python, "-I", "-S",
-                           "-c", launcher_source], input=json.dumps(request).encode(), capture_output=True, timeout=30)
+    try:
+        proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", system_python, "-I",
+                               "-S", "-c", launcher_source], input=json.dumps(request).encode(), capture_output=True,
+                              timeout=30)
+    finally:
+        workdir.rmdir()  # empty on the host: the program wrote into its own tmpfs
     assert proc.returncode == 0 and proc.stdout, proc.stderr.decode(errors="replace")[-2000:]
     reply = json.loads(proc.stdout)
     if reply["isolation"]["namespaces"] is None:
