@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.algorithms.advantages import group_advantages
-from gspo_megatron.trainer.finite import check_advantages, check_some_update_applied
 from gspo_megatron.algorithms.metrics import combine_minibatches
 from gspo_megatron.megatron import checkpoint as ckpt
 from gspo_megatron.megatron import sharding
@@ -41,6 +40,7 @@ from gspo_megatron.trainer.batch_filling import BatchFiller, round_seed
 from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, RoundAhead, overlap_timing, staleness, trainer_threads
 from gspo_megatron.trainer import completions
 from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
+from gspo_megatron.trainer.finite import check_advantages, check_some_update_applied
 from gspo_megatron.trainer.preemption import PartialStep, fits_in_grace
 from gspo_megatron.trainer.metrics_log import SFT_METRICS_FILE, append_record, truncate_after
 from gspo_megatron.trainer.resume import resume_changes, saved_checkpoints
@@ -749,7 +749,7 @@ class Trainer:
         sglang = self.config.rollout.engine == "sglang"
         stats = sync_weights(self.policy.ddp, self.model_config, self.engine,
                              self.config.rollout.sglang.bucket_bytes if sglang else DEFAULT_BUCKET_BYTES)
-        if self.config.rollout.engine == "sglang" and dist.get_world_size() > 1:
+        if sglang and dist.get_world_size() > 1:
             from gspo_megatron.trainer.rollout_setup import share_sync_report
 
             # the posting ranks' word on which servers took the weights; also the barrier that keeps every
