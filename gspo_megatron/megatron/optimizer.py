@@ -116,7 +116,7 @@ def build_optimizer(optim: OptimizerConfig, ddp, distributed_optimizer: bool, pr
     return optimizer, scheduler
 
 
-def _chained(optimizer) -> list:
+def chained_parts(optimizer) -> list:
     """The optimizers a (possibly) ChainedOptimizer holds: one per parameter kind (dense, expert)."""
     from megatron.core.optimizer import ChainedOptimizer
 
@@ -126,7 +126,7 @@ def _chained(optimizer) -> list:
 def _torch_adams(optimizer) -> list[torch.optim.Optimizer]:
     """The inner torch Adam/AdamW optimizers under Megatron's wrappers (none with TE/apex fused Adam or
     the CPU-offloading HybridDeviceOptimizer)."""
-    inner = [chained.optimizer for chained in _chained(optimizer)]  # None for a stub (no parameters)
+    inner = [chained.optimizer for chained in chained_parts(optimizer)]  # None for a stub (no parameters)
     return [o for o in inner if isinstance(o, (torch.optim.Adam, torch.optim.AdamW))]
 
 
@@ -134,7 +134,7 @@ def _distributed_with_torch_adam(optimizer) -> list:
     """The DistributedOptimizers that step with a torch Adam/AdamW (megatron-core's no-apex/TE branch)."""
     from megatron.core.optimizer import DistributedOptimizer
 
-    return [chained for chained in _chained(optimizer) if isinstance(chained, DistributedOptimizer)
+    return [chained for chained in chained_parts(optimizer) if isinstance(chained, DistributedOptimizer)
             and isinstance(chained.optimizer, (torch.optim.Adam, torch.optim.AdamW))]
 
 

@@ -546,9 +546,9 @@ def step_cuda_ipc(ctx: Context) -> dict:
 
 def _optimizer_tensors(optimizer) -> list[tuple[str, torch.Tensor]]:
     """Every main parameter and Adam state tensor of a Megatron optimizer (chained or not), in order."""
-    from megatron.core.optimizer import ChainedOptimizer
+    from gspo_megatron.megatron.optimizer import chained_parts
 
-    parts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    parts = chained_parts(optimizer)
     out = []
     for i, part in enumerate(parts):
         inner = part.optimizer  # the torch Adam on the (sharded) fp32 main parameters
