@@ -243,9 +243,9 @@ def save_bench_model(overrides: list[str], folder: Path) -> tuple[str, int]:
 
 def sglang_engine_for(python: str, folder: Path, log_dir: Path):
     """A launched CPU SGLang server of ``folder`` (fp32, as the trainer), through the engine's own config."""
-    from gspo_megatron.rollout.sglang_config import SGLangConfig
-    from gspo_megatron.rollout.sglang_engine import SGLangEngine
-    from gspo_megatron.rollout.sglang_server import port_is_free
+    from gspo_megatron.rollout.sglang.config import SGLangConfig
+    from gspo_megatron.rollout.sglang.engine import SGLangEngine
+    from gspo_megatron.rollout.sglang.server import port_is_free
     from gspo_megatron.typed_config import build
 
     port = next(p for p in range(31000, 32000) if port_is_free("127.0.0.1", p))

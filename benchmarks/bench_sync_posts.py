@@ -51,9 +51,9 @@ def served_tensors(folder: Path) -> list[tuple[str, torch.Tensor]]:
 
 
 def engine_for(folder: Path, log_dir: Path, python: str | None, standin_url: str | None, bucket_bytes: int):
-    from gspo_megatron.rollout.sglang_config import SGLangConfig
-    from gspo_megatron.rollout.sglang_engine import SGLangEngine
-    from gspo_megatron.rollout.sglang_server import port_is_free
+    from gspo_megatron.rollout.sglang.config import SGLangConfig
+    from gspo_megatron.rollout.sglang.engine import SGLangEngine
+    from gspo_megatron.rollout.sglang.server import port_is_free
     from gspo_megatron.typed_config import build
 
     if standin_url is not None:
@@ -90,7 +90,7 @@ def main() -> None:
     if not args.standin and not args.sglang_python:
         parser.error("name the SGLang interpreter (--sglang-python or GSPO_SGLANG_PYTHON), or pass --standin")
 
-    from gspo_megatron.rollout import sglang_engine
+    from gspo_megatron.rollout.sglang import engine as sglang_engine
 
     posts: list[str] = []
     real_request = sglang_engine.request

@@ -502,7 +502,7 @@ class ReceiverProcess:
 
     def send(self, bucket) -> float:
         """The bucket through the tensor sync's payload; its checksums compared; the receiver's seconds."""
-        from gspo_megatron.rollout.sglang_weight_sync import serialize_named_tensors
+        from gspo_megatron.rollout.sglang.weight_sync import serialize_named_tensors
 
         answer = self.ask("tensors", serialize_named_tensors(bucket))
         sent = _checksums(bucket)

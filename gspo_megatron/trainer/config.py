@@ -23,7 +23,7 @@ from gspo_megatron.megatron.optimizer import OptimizerConfig, offload_refusal
 from gspo_megatron.rewards.config import RewardConfig
 from gspo_megatron.rollout.agent_loop import MultiTurnConfig
 from gspo_megatron.rollout.partial import steps_in_flight
-from gspo_megatron.rollout.sglang_config import SGLangConfig
+from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.typed_config import ConfigError, build, check, to_dict
 
 

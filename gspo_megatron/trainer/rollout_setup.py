@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.megatron.device import cuda_present
-from gspo_megatron.rollout.sglang_config import SGLangConfig
-from gspo_megatron.rollout.sglang_engine import ColocatedSync, SGLangEngine, ack_from_leader, gather_to_leader
+from gspo_megatron.rollout.sglang.config import SGLangConfig
+from gspo_megatron.rollout.sglang.engine import ColocatedSync, SGLangEngine, ack_from_leader, gather_to_leader
 from gspo_megatron.trainer.launch_env import LaunchEnv, resolve_launch
 
 PATH = "rollout.sglang"

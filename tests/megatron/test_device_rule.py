@@ -34,7 +34,7 @@ DEVICE_BRANCHES = {
     "megatron/cpu_runtime.py": 1,   # the CPU stand-ins themselves
     "trainer/entry.py": 1,          # CPU intra-op threads
     "trainer/rollout_setup.py": 1,  # GPU-index placement rule for colocated servers
-    "rollout/sglang_engine.py": 1,  # torch.cuda.ipc_collect after a tensor sync
+    "rollout/sglang/engine.py": 1,  # torch.cuda.ipc_collect after a tensor sync
 }
 
 

@@ -187,7 +187,7 @@ def test_default_results_path_follows_out(tmp_path):
 # ---- the unpickling rules of (e)
 
 def test_allowlist_takes_the_sync_payload_and_refuses_other_globals():
-    from gspo_megatron.rollout.sglang_weight_sync import serialize_named_tensors
+    from gspo_megatron.rollout.sglang.weight_sync import serialize_named_tensors
 
     bucket = [("w", torch.randn(4, 3).to(torch.bfloat16)), ("n", torch.arange(5))]
     got = gpu_check.safe_deserialize(serialize_named_tensors(bucket))
@@ -197,7 +197,7 @@ def test_allowlist_takes_the_sync_payload_and_refuses_other_globals():
 
 
 def _sglang_allowed_globals() -> set[tuple[str, str]] | None:
-    from gspo_megatron.rollout.sglang_cpu import sglang_venv
+    from gspo_megatron.rollout.sglang.cpu import sglang_venv
 
     found = sorted(sglang_venv().glob("lib/python3*/site-packages/sglang/srt/utils/common.py"))
     if not found:

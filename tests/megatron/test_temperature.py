@@ -106,8 +106,8 @@ def test_first_minibatch_has_sequence_ratios_of_one(runs, temperature):
 def test_sglang_reports_the_tempered_distribution_unless_told_otherwise():
     """SGLang returns log_softmax(logits / T) (srt/layers/sampler.py) unless SGLANG_RETURN_ORIGINAL_LOGPROB
     is set; our launcher sets it only on request, and the trainer refuses that request at T != 1."""
-    from gspo_megatron.rollout.sglang_config import SGLangLaunchConfig
-    from gspo_megatron.rollout.sglang_protocol import launch_env
+    from gspo_megatron.rollout.sglang.config import SGLangLaunchConfig
+    from gspo_megatron.rollout.sglang.protocol import launch_env
     from gspo_megatron.trainer.config import load_config
     from gspo_megatron.typed_config import ConfigError
 

@@ -11,8 +11,8 @@ import urllib.request
 from typing import Any
 
 from gspo_megatron.rollout.base import SamplingParams
-from gspo_megatron.rollout.sglang_protocol import build_generate_request
-from gspo_megatron.rollout.sglang_weight_sync import serialize_named_tensors, update_from_tensor_body
+from gspo_megatron.rollout.sglang.protocol import build_generate_request
+from gspo_megatron.rollout.sglang.weight_sync import serialize_named_tensors, update_from_tensor_body
 
 PROMPTS = [[5, 6, 7, 8], [9, 10]]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_megatron.rollout.sglang_config import SGLangConfig
-from gspo_megatron.rollout.sglang_engine import SGLangEngine
+from gspo_megatron.rollout.sglang.config import SGLangConfig
+from gspo_megatron.rollout.sglang.engine import SGLangEngine
 from gspo_megatron.typed_config import build
 
 from tests.rollout.sglang_standin import free_port
@@ -59,7 +59,7 @@ def cpu_launch(model: Path, tmp: Path, servers: int = 1, **overrides) -> dict:
 
 def free_port_block(n: int) -> int:
     """A port p with p .. p+n-1 free now (servers bind base_port + i)."""
-    from gspo_megatron.rollout.sglang_server import port_is_free
+    from gspo_megatron.rollout.sglang.server import port_is_free
 
     for _ in range(50):
         base = free_port()

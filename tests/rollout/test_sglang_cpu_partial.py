@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gspo_megatron.rollout import sglang_engine
+from gspo_megatron.rollout.sglang import engine as sglang_engine
 from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.rollout.partial import PartialRollouts
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gspo_megatron.rollout import sglang_engine, sglang_weight_sync
+from gspo_megatron.rollout.sglang import engine as sglang_engine, weight_sync as sglang_weight_sync
 from gspo_megatron.rollout.base import RolloutInputError, SamplingParams
-from gspo_megatron.rollout.sglang_config import SGLangConfig
-from gspo_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineError
+from gspo_megatron.rollout.sglang.config import SGLangConfig
+from gspo_megatron.rollout.sglang.engine import SGLangEngine, SGLangEngineError
 from gspo_megatron.typed_config import build
 
 from tests.rollout.sglang_conformance import SAME_TEXT, assert_same_shape, conformance_calls, raw_call

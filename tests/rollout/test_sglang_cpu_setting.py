@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from gspo_megatron.rollout.sglang_config import CPU_MAX_TOTAL_TOKENS, SGLangConfig, SGLangLaunchConfig
-from gspo_megatron.rollout.sglang_cpu import CPUServerSetupError, cpu_server_env, libcuda_standin_dir, sglang_venv
-from gspo_megatron.rollout.sglang_protocol import launch_command, launch_env
-from gspo_megatron.rollout.sglang_weight_sync import serialize_named_tensors
+from gspo_megatron.rollout.sglang.config import CPU_MAX_TOTAL_TOKENS, SGLangConfig, SGLangLaunchConfig
+from gspo_megatron.rollout.sglang.cpu import CPUServerSetupError, cpu_server_env, libcuda_standin_dir, sglang_venv
+from gspo_megatron.rollout.sglang.protocol import launch_command, launch_env
+from gspo_megatron.rollout.sglang.weight_sync import serialize_named_tensors
 from gspo_megatron.typed_config import ConfigError, build
 
 
@@ -83,7 +83,7 @@ def test_cpu_tensor_payload_opens_in_a_process_that_is_not_our_child():
     A fresh interpreter plays it; torch's default (file descriptors) fails there, our payload does not."""
     tensor = torch.arange(12, dtype=torch.float32).reshape(3, 4) * 0.5
     payload = serialize_named_tensors([("w", tensor)])
-    reader = ("import sys; from gspo_megatron.rollout.sglang_weight_sync import deserialize_named_tensors as d; "
+    reader = ("import sys; from gspo_megatron.rollout.sglang.weight_sync import deserialize_named_tensors as d; "
               "[(n, t)] = d(sys.stdin.read()); print(n, float(t.sum()), tuple(t.shape))")
     out = subprocess.run([sys.executable, "-c", reader], input=payload, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -98,7 +98,7 @@ def test_cpu_tensor_sync_to_two_servers_twice_leaves_the_shared_memory_openable(
     scheduler died on it). A fresh interpreter opens every posted payload, in posting order."""
     import json
 
-    from gspo_megatron.rollout.sglang_engine import SGLangEngine
+    from gspo_megatron.rollout.sglang.engine import SGLangEngine
     from tests.rollout.sglang_standin import StandinServer, StandinState
 
     weight = torch.randn(64, 32)
@@ -109,7 +109,7 @@ def test_cpu_tensor_sync_to_two_servers_twice_leaves_the_shared_memory_openable(
                 engine.update_weights([("w", weight)], final=True)
                 payloads = [body["serialized_named_tensors"][0] for srv in (a, b)
                             for body in srv.bodies("/update_weights_from_tensor")[-1:]]
-                reader = ("import gc, json, sys; from gspo_megatron.rollout.sglang_weight_sync import "
+                reader = ("import gc, json, sys; from gspo_megatron.rollout.sglang.weight_sync import "
                           "deserialize_named_tensors as d\nfor p in json.loads(sys.stdin.read()):\n"
                           "    [(n, t)] = d(p); print(float(t.sum())); del t; gc.collect()")
                 out = subprocess.run([sys.executable, "-c", reader], input=json.dumps(payloads), capture_output=True,

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_megatron.rollout import sglang_engine as engine_mod
+from gspo_megatron.rollout.sglang import engine as engine_mod
 from gspo_megatron.rollout.base import RolloutInputError, SamplingParams
-from gspo_megatron.rollout.sglang_config import SGLangConfig
-from gspo_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineError, attach_servers, launch_servers
+from gspo_megatron.rollout.sglang.config import SGLangConfig
+from gspo_megatron.rollout.sglang.engine import SGLangEngine, SGLangEngineError, attach_servers, launch_servers
 from gspo_megatron.typed_config import ConfigError, build
 
 from tests.rollout.sglang_standin import StandinServer, StandinState, free_port

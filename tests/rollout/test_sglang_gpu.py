@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from gspo_megatron.rollout.base import SamplingParams
-from gspo_megatron.rollout.sglang_config import SGLangConfig
-from gspo_megatron.rollout.sglang_engine import SGLangEngine
+from gspo_megatron.rollout.sglang.config import SGLangConfig
+from gspo_megatron.rollout.sglang.engine import SGLangEngine
 from gspo_megatron.typed_config import build
 
 from tests.rollout.sglang_standin import free_port

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gspo_megatron.rollout.sglang_http import (RetriesExhausted, RetryPolicy, ServerBusy, ServerRejected,
+from gspo_megatron.rollout.sglang.http import (RetriesExhausted, RetryPolicy, ServerBusy, ServerRejected,
                                                ServerUnreachable, call_with_retry, request)
-from gspo_megatron.rollout.sglang_server import ServerProcess, ServerStartError, wait_healthy
+from gspo_megatron.rollout.sglang.server import ServerProcess, ServerStartError, wait_healthy
 
 from tests.rollout.sglang_standin import StandinServer, StandinState, free_port
 
@@ -186,7 +186,7 @@ def test_a_killed_owner_takes_the_whole_server_group_with_it(tmp_path):
     owner = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, time\n"
-         "from gspo_megatron.rollout.sglang_server import ServerProcess\n"
+         "from gspo_megatron.rollout.sglang.server import ServerProcess\n"
          "p = ServerProcess(['sh', '-c', 'sleep 300 & exec sleep 301'], 'http://10.0.0.1:1', sys.argv[1],\n"
          "                  startup_timeout_s=1, poll_s=1)\n"
          "p.spawn(); print(p._proc.pid, flush=True); time.sleep(300)\n", str(tmp_path / "s.log")],

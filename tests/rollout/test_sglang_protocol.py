@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gspo_megatron.rollout.base import SamplingParams
-from gspo_megatron.rollout.sglang_config import SGLangLaunchConfig
-from gspo_megatron.rollout.sglang_protocol import (RoutedExpertsLayout, SGLangProtocolError, build_generate_request, decode_routed_experts,
+from gspo_megatron.rollout.sglang.config import SGLangLaunchConfig
+from gspo_megatron.rollout.sglang.protocol import (RoutedExpertsLayout, SGLangProtocolError, build_generate_request, decode_routed_experts,
                                                    launch_command, launch_env, parse_finish_reason,
                                                    parse_generate_response, parse_output, parse_server_info,
                                                    sample_seed, sampling_params_body)

@@ -51,8 +51,8 @@ def colocated_sync_worker(rank, world_size, url: str, in_flight: int) -> dict:
     from gspo_megatron.megatron.optimizer import OptimizerConfig
     from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
     from gspo_megatron.megatron.policy_model import PolicyModel
-    from gspo_megatron.rollout.sglang_config import SGLangConfig
-    from gspo_megatron.rollout.sglang_engine import (ColocatedSync, SGLangEngine, ack_from_leader, attach_servers,
+    from gspo_megatron.rollout.sglang.config import SGLangConfig
+    from gspo_megatron.rollout.sglang.engine import (ColocatedSync, SGLangEngine, ack_from_leader, attach_servers,
                                                      gather_to_leader)
     from gspo_megatron.rollout.weight_sync import sync_weights
     from gspo_megatron.testing.models import canonical_weights, tiny_moe_config

@@ -19,10 +19,10 @@ import weakref
 import pytest
 import torch
 
-from gspo_megatron.rollout import sglang_engine as engine_mod
-from gspo_megatron.rollout.sglang_config import SGLangConfig
-from gspo_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineError, attach_servers
-from gspo_megatron.rollout.sglang_http import ServerRejected, request
+from gspo_megatron.rollout.sglang import engine as engine_mod
+from gspo_megatron.rollout.sglang.config import SGLangConfig
+from gspo_megatron.rollout.sglang.engine import SGLangEngine, SGLangEngineError, attach_servers
+from gspo_megatron.rollout.sglang.http import ServerRejected, request
 from gspo_megatron.typed_config import ConfigError, build
 
 from tests.rollout.sglang_standin import StandinServer, StandinState

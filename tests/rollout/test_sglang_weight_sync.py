@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gspo_megatron.rollout.sglang_weight_sync import (DiskCheckpointWriter, TrainerBroadcastGroup, bucket_metadata,
+from gspo_megatron.rollout.sglang.weight_sync import (DiskCheckpointWriter, TrainerBroadcastGroup, bucket_metadata,
                                                       bucket_named_tensors, deserialize_named_tensors, dtype_name,
                                                       init_group_body, rank_offsets, serialize_named_tensors,
                                                       update_from_disk_body, update_from_distributed_body,
@@ -132,7 +132,7 @@ def test_broadcast_group_reaches_a_process_joined_like_sglang(tmp_path):
 
 _SHARER = """
 import subprocess, sys, torch
-from gspo_megatron.rollout.sglang_weight_sync import serialize_named_tensors
+from gspo_megatron.rollout.sglang.weight_sync import serialize_named_tensors
 payload = serialize_named_tensors([("w", torch.arange(4.0))])
 open(sys.argv[1] + "/payload", "w").write(payload)
 # not our child (its own session) and mapping our shared memory after we exit: an attached server
@@ -145,7 +145,7 @@ print("shared", flush=True)
 """
 _HOLDER = """
 import os, sys, time
-from gspo_megatron.rollout.sglang_weight_sync import deserialize_named_tensors
+from gspo_megatron.rollout.sglang.weight_sync import deserialize_named_tensors
 tensors = deserialize_named_tensors(open(sys.argv[1] + "/payload").read())
 open(sys.argv[1] + "/mapped", "w").write(str(float(tensors[0][1].sum())))
 while not os.path.exists(sys.argv[1] + "/release"):

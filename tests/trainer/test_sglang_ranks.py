@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_megatron.rollout.sglang_config import SGLangConfig
-from gspo_megatron.rollout.sglang_protocol import sample_seed
+from gspo_megatron.rollout.sglang.config import SGLangConfig
+from gspo_megatron.rollout.sglang.protocol import sample_seed
 from gspo_megatron.megatron.spawn import run_distributed
 from gspo_megatron.trainer.launch_env import LaunchEnv
 from gspo_megatron.trainer.rollout_setup import (ColocatedLayout, SGLangSetupError, attach_config, colocated_layout,

@@ -1,5 +1,5 @@
 /* A stand-in for the CUDA driver library (libcuda.so.1), for running SGLang's CPU server on a machine
- * without an NVIDIA driver. Built by gspo_megatron/rollout/sglang_cpu.py into the cache folder and put
+ * without an NVIDIA driver. Built by gspo_megatron/rollout/sglang/cpu.py into the cache folder and put
  * on the server's LD_LIBRARY_PATH only when rollout.sglang.launch.device is "cpu".
  *
  * Why it exists: the only sglang-kernel wheel on the package registry (0.4.10, CUDA builds only) lists

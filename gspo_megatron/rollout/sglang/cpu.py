@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Mapping
 
-STANDIN_SOURCE = Path(__file__).resolve().parent.parent / "assets" / "sglang_cpu" / "libcuda_standin.c"
+STANDIN_SOURCE = Path(__file__).resolve().parents[2] / "assets" / "sglang_cpu" / "libcuda_standin.c"
 LIBRARY_NAME = "libcuda.so.1"
 # The SGLang version the CPU path was run with (docs/rollout.md, "SGLang on CPU").
 CPU_TESTED_SGLANG = "0.5.23"

@@ -30,15 +30,15 @@ from gspo_megatron.megatron.device import cuda_present
 from gspo_megatron.rollout.ahead import SubmittedGenerations
 from gspo_megatron.rollout.base import RolloutEngine, RolloutInputError, Sample, SamplingParams
 from gspo_megatron.rollout.process_engine import GenerationResult
-from gspo_megatron.rollout.sglang_config import MEMORY_TAGS, QUANTIZED_SYNC_REFUSAL, SGLangConfig, served_quantization
-from gspo_megatron.rollout.sglang_cpu import cpu_server_env, libcuda_standin_dir
-from gspo_megatron.rollout.sglang_http import (RetriesExhausted, RetryPolicy, ServerBusy, ServerRejected,
+from gspo_megatron.rollout.sglang.config import MEMORY_TAGS, QUANTIZED_SYNC_REFUSAL, SGLangConfig, served_quantization
+from gspo_megatron.rollout.sglang.cpu import cpu_server_env, libcuda_standin_dir
+from gspo_megatron.rollout.sglang.http import (RetriesExhausted, RetryPolicy, ServerBusy, ServerRejected,
                                                ServerUnreachable, call_with_retry, request)
 from gspo_megatron.megatron.model_config import ModelConfig
-from gspo_megatron.rollout.sglang_protocol import (RoutedExpertsLayout, ServerInfo, build_generate_request, context_refusal, launch_command,
+from gspo_megatron.rollout.sglang.protocol import (RoutedExpertsLayout, ServerInfo, build_generate_request, context_refusal, launch_command,
                                                    launch_env, parse_generate_response, parse_server_info)
-from gspo_megatron.rollout.sglang_server import ServerProcess, ServerStartError, probe_health, wait_healthy
-from gspo_megatron.rollout.sglang_weight_sync import (DiskCheckpointWriter, NamedTensors, TrainerBroadcastGroup,
+from gspo_megatron.rollout.sglang.server import ServerProcess, ServerStartError, probe_health, wait_healthy
+from gspo_megatron.rollout.sglang.weight_sync import (DiskCheckpointWriter, NamedTensors, TrainerBroadcastGroup,
                                                       bucket_named_tensors, init_group_body, rank_offsets,
                                                       serialize_named_tensors, update_from_disk_body,
                                                       update_from_distributed_body, update_from_tensor_body)

@@ -15,7 +15,7 @@ import torch
 
 from gspo_megatron.rollout.base import FinishReason, Sample, SamplingParams
 from gspo_megatron.rollout.sampling import sample_seed  # re-exported: shared with the transformers engine
-from gspo_megatron.rollout.sglang_config import CPU_FLAGS, SGLangLaunchConfig
+from gspo_megatron.rollout.sglang.config import CPU_FLAGS, SGLangLaunchConfig
 
 
 class SGLangProtocolError(ValueError):
@@ -338,7 +338,7 @@ def launch_command(cfg: SGLangLaunchConfig, server_index: int, python: str) -> l
 
 def launch_env(cfg: SGLangLaunchConfig, device_env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Extra environment of a launched server (on top of the trainer's): ``device_env`` (a CPU server's,
-    rollout/sglang_cpu.cpu_server_env), then the user's ``launch.env``, which wins."""
+    rollout/sglang/cpu.cpu_server_env), then the user's ``launch.env``, which wins."""
     env = {**(device_env or {}), **cfg.env}
     if cfg.return_original_logprob:
         env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # srt/layers/sampler.py: log-probs before temperature

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from gspo_megatron.processes import group_keeper_command, wrap_command
-from gspo_megatron.rollout.sglang_http import SGLangHTTPError, request
+from gspo_megatron.rollout.sglang.http import SGLangHTTPError, request
 
 log = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ class SGLangLaunchConfig:
     base_port: int = 30000
     mem_fraction_static: float = 0.8
     # cpu: SGLang's CPU server (SGLANG_USE_CPU_ENGINE, torch-native attention, the stand-in libcuda.so.1
-    # of rollout/sglang_cpu.py); what that server cannot do is refused by validate, naming the setting.
+    # of rollout/sglang/cpu.py); what that server cannot do is refused by validate, naming the setting.
     device: LaunchDevice = "cuda"
     # The KV cache's size in tokens (--max-total-tokens); 0: SGLang's own on cuda, CPU_MAX_TOTAL_TOKENS on cpu.
     max_total_tokens: int = 0
