@@ -246,16 +246,16 @@ def run_ours(args: argparse.Namespace) -> None:
         t = time.perf_counter()
         metrics = trainer.train_step()
         drain = time.perf_counter()
-        if trainer.ahead is not None:
+        if trainer.driver.busy_during_update:
             # overlap: the engine process must be idle before the other side steps, so the batch it generates
             # ahead is finished inside our step (the next step then finds it ready): step = the pipeline's period
-            trainer.ahead.complete(trainer.engine.result)
+            trainer.driver.drain()
         drain = time.perf_counter() - drain
         wall = time.perf_counter() - t
         trainer.step += 1
         emit({"generation": metrics["time_rollout_s"], "generate_only": generate_s[0],
               "logprobs": metrics["time_logprobs_s"], "update": metrics["time_update_s"],
-              "sync": metrics["time_sync_s"], "step": wall if trainer.ahead is not None else metrics["time_step_s"],
+              "sync": metrics["time_sync_s"], "step": wall if trainer.driver.busy_during_update else metrics["time_step_s"],
               "wall": wall, "overlap_drain": drain,
               "engine_generate": metrics.get("time_engine_generate_s"), "overlap_hidden": metrics.get("overlap_hidden_frac"),
               "reward_mean": metrics["reward_mean"], "response_length_mean": metrics["response_length_mean"],

@@ -180,9 +180,9 @@ class _Trajectory:
 class AgentLoop(RolloutEngine):
     """A ``RolloutEngine`` whose ``generate`` runs multi-turn trajectories on ``engine`` (module docstring).
 
-    Weight updates, memory and shutdown pass through to ``engine``. For overlap with an engine that is not
-    a process of its own (SGLang), ``submit`` runs whole trajectories on a background thread
-    (``rollout/ahead.py``); the transformers overlap engine instead runs the loop in its child process.
+    Weight updates, memory and shutdown pass through to ``engine``. Overlapped, it runs inside the
+    transformers engine's child process, or (SGLang) inside ``ahead.ThreadedEngine``, which generates
+    whole trajectories on a background thread.
     """
 
     def __init__(self, engine: RolloutEngine, config: MultiTurnConfig, tokenizer: Any, chat_template: str | None,
@@ -194,7 +194,6 @@ class AgentLoop(RolloutEngine):
         self.renderer = ToolTurnRenderer(tokenizer, chat_template, config.max_tool_output_tokens)
         self.stop_token_ids = list(stop_token_ids)
         self.releases_memory = engine.releases_memory
-        self._ahead = None
 
     @property
     def weight_version(self) -> int:  # type: ignore[override]
@@ -294,27 +293,8 @@ class AgentLoop(RolloutEngine):
         t.stats["tool_truncated"] += int(result.truncated or cut)
         return text
 
-    # ---- overlap (engines without a process of their own) ---------------------------------------------
-    def submit(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, params: SamplingParams) -> int:
-        from gspo_megatron.rollout.ahead import SubmittedGenerations
-
-        if self._ahead is None:
-            self._ahead = SubmittedGenerations(self.generate, lambda: self.engine.weight_version)
-        return self._ahead.submit(prompts, samples_per_prompt, params)
-
-    def result(self, request_id: int):
-        return self._ahead.result(request_id)
-
-    def cancel(self, request_id: int) -> None:
-        self._ahead.cancel(request_id)
-
-    def wait_submitted(self) -> None:
-        if self._ahead is not None:
-            self._ahead.wait()
-
     # ---- pass-through ---------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, final: bool) -> None:
-        self.wait_submitted()  # a trajectory submitted before the update runs all its turns on the old weights
         self.engine.update_weights(named_tensors, final=final)
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
@@ -327,16 +307,8 @@ class AgentLoop(RolloutEngine):
         return self.engine.healthy()
 
     def shutdown(self) -> None:
-        if self._ahead is not None:
-            self._ahead.shutdown()
         self.tools.close()
         self.engine.shutdown()
-
-    def __getattr__(self, name: str):
-        # engine-specific attributes the trainer reads (weight_names, checkpoint_weight_names, ...)
-        if name == "engine":
-            raise AttributeError(name)
-        return getattr(self.engine, name)
 
 
 def final_turn_ids(sample: Sample) -> list[int]:

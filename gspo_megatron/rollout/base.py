@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Iterable, Literal, Sequence
+from typing import Iterable, Literal, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -129,6 +129,17 @@ def compact_routed_experts(samples: Sequence["Sample"], num_experts: int) -> lis
         for s in samples]
 
 
+@dataclasses.dataclass
+class GenerationResult:
+    """What one ``submit`` produced: the samples (as ``generate`` returns them), the weight version (number
+    of completed syncs) of the model that generated them, and the wall time of the generation (how much work
+    an overlapped schedule can hide)."""
+
+    samples: list[Sample]
+    weight_version: int
+    generate_s: float
+
+
 class RolloutEngine(abc.ABC):
     """Generates groups of responses and takes weight updates from the trainer."""
 
@@ -171,3 +182,26 @@ class RolloutEngine(abc.ABC):
 
     def shutdown(self) -> None:
         """Stop servers and free resources; safe to call twice."""
+
+
+@runtime_checkable
+class AsyncRolloutEngine(Protocol):
+    """A ``RolloutEngine`` that can also generate ahead of the trainer (``train.rollout_mode: overlap``).
+
+    The one ordering guarantee the overlapped schedule relies on: a generation submitted before a weight
+    update runs entirely on the old weights (its ``GenerationResult.weight_version`` says which).
+    Implemented by ``process_engine.ProcessRolloutEngine`` (its child runs requests in order) and by
+    ``ahead.ThreadedEngine`` around any blocking engine (SGLang, the multi-turn agent loop)."""
+
+    def submit(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, params: SamplingParams) -> int:
+        """Queue one ``generate``; returns its request id at once."""
+
+    def result(self, request_id: int) -> GenerationResult:
+        """Wait for generation ``request_id``; its error, if it failed, is raised here."""
+
+    def cancel(self, request_id: int) -> None:
+        """Drop a submitted generation's result (one already running still finishes)."""
+
+    def wait_submitted(self) -> None:
+        """Block until every generation submitted so far has finished (servers shared by several trainer
+        ranks need this on every rank before any rank posts weights)."""

@@ -207,7 +207,7 @@ class PartialRollouts:
     def plan_round(self, params: SamplingParams, round_index: int,
                    only: set[tuple[int, int]] | None = None) -> list["RoundCall"]:
         """The engine calls of one round: ``budget`` more tokens for every unfinished response
-        (``only``: of the unfinished groups with these ``InFlightGroup.key`` s). Round 0 first samples the fresh
+        (``only``: of the groups with these ``InFlightGroup.key`` s). Round 0 first samples the fresh
         groups with ``params`` (the step's sampling, as without partial rollouts); then one continuation
         call per ``continuation_lengths`` entry. The same number of calls on every rank, empty or not (each
         is an engine call every rank joins). Overlap mode submits them ahead and applies them a step later."""
@@ -215,7 +215,8 @@ class PartialRollouts:
         running = [(g, r) for g in unfinished for r in g.responses if r.finish_reason is None and len(r) > 0]
         calls = []
         if round_index == 0:
-            fresh = [g for g in self.groups if all(len(r) == 0 and r.finish_reason is None for r in g.responses)]
+            fresh = [g for g in self.groups if all(len(r) == 0 and r.finish_reason is None for r in g.responses)
+                     and (only is None or g.key in only)]
             first = dataclasses.replace(params, max_new_tokens=min(self.budget, self.max_new_tokens))
             calls.append(RoundCall([r for g in fresh for r in g.responses], [list(g.prompt.prompt_ids) for g in fresh],
                                    self.G, first))

@@ -27,21 +27,11 @@ from typing import Iterable, Sequence
 
 import torch
 
-from gspo_megatron.rollout.base import RolloutEngine, Sample, SamplingParams
+from gspo_megatron.rollout.base import GenerationResult, RolloutEngine, Sample, SamplingParams
 
 
 class EngineProcessError(RuntimeError):
     """The engine process failed a request or died; the message carries the child's traceback or exit code."""
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    """What one ``submit`` produced: the samples (as ``generate`` returns them) and the weight version
-    (number of completed syncs) of the model that generated them."""
-
-    samples: list[Sample]
-    weight_version: int
-    generate_s: float  # the child's wall time for this generation (how much work the overlap can hide)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +62,10 @@ def _child_main(conn, spec: EngineSpec, parent_pid: int) -> None:
     from gspo_megatron.rollout.hf_engine import HFRolloutEngine
 
     engine = HFRolloutEngine(spec.hf_config, init_seed=spec.init_seed, max_batch_rows=spec.max_batch_rows)
+    names = engine.checkpoint_weight_names()
     if spec.agent is not None:
         engine = spec.agent.wrap(engine)
-    conn.send_bytes(pickle.dumps(("ready", None, engine.checkpoint_weight_names())))
+    conn.send_bytes(pickle.dumps(("ready", None, names)))
     while True:
         kind, request_id, payload = pickle.loads(conn.recv_bytes())
         if kind == "shutdown":
@@ -189,6 +180,10 @@ class ProcessRolloutEngine(RolloutEngine):
         """Drop the result of a submitted generation (the child still runs it: requests are never reordered)."""
         if self._done.pop(request_id, None) is None:
             self._cancelled.add(request_id)
+
+    def wait_submitted(self) -> None:
+        """Nothing to wait for: the child runs requests in the order they were sent, so an update sent now
+        reaches the model only after every generation submitted before it (and no other rank shares it)."""
 
     def generate(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int,
                  params: SamplingParams) -> list[Sample]:

@@ -25,7 +25,7 @@ change with luck). When the rounds run out the step trains on the informative gr
 steps (the schedule keeps its length). For the same reason a step whose every mini-batch cannot get a
 sequence past the overlong mask trains all its samples (``overlong/mask_lifted``).
 
-Every rank holds the whole gathered batch of every round (``Trainer.rollout``), so every rank takes the
+Every rank holds the whole gathered batch of every round (``schedule.rollouts.Rollouts``), so every rank takes the
 same decision and trains the same groups: the global normalisers stay exact at any data-parallel size.
 Round r of step k is seeded by ``round_seed(step seed, r)`` and draws its prompts from the resumable
 prompt iterator, so a resumed run generates exactly the rounds the uninterrupted run generated.
@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Callable, Literal, Sequence
+from typing import Callable, Literal, Sequence
 
-Group = tuple[Any, list, list[float], list]  # (prompt sample, [Sample x G], [reward x G], [correct x G]), as Trainer.rollout returns
+from gspo_megatron.trainer.schedule.base import RolloutGroup as Group
 OverlongMode = Literal["none", "mask", "soft_penalty"]
 FilterMode = Literal["none", "zero_variance"]
 
@@ -67,14 +67,13 @@ def shape_overlong_rewards(batch: Sequence[Group], mode: OverlongMode, max_new_t
     """The batch with ``soft_penalty``'s length penalty added to every reward (other modes: unchanged)."""
     if mode != "soft_penalty":
         return list(batch)
-    return [(prompt, samples, [r + overlong_penalty(len(s.response_ids), max_new_tokens, buffer_tokens)
-                               for s, r in zip(samples, rewards)], correct)
-            for prompt, samples, rewards, correct in batch]
+    return [g._replace(rewards=[r + overlong_penalty(len(s.response_ids), max_new_tokens, buffer_tokens)
+                                for s, r in zip(g.samples, g.rewards)]) for g in batch]
 
 
 def loss_keep(batch: Sequence[Group], mode: OverlongMode) -> list[list[bool]]:
     """[B][G]: whether each sample enters the loss; under ``mask`` truncated samples do not."""
-    return [[mode != "mask" or not is_truncated(s) for s in samples] for _, samples, _, _ in batch]
+    return [[mode != "mask" or not is_truncated(s) for s in g.samples] for g in batch]
 
 
 def informative(rewards: Sequence[float]) -> bool:
@@ -83,7 +82,7 @@ def informative(rewards: Sequence[float]) -> bool:
 
 
 def _num_samples(groups: Sequence[Group]) -> int:
-    return sum(len(samples) for _, samples, _, _ in groups)
+    return sum(len(g.samples) for g in groups)
 
 
 def round_seed(step_seed: int, round_index: int) -> int:
@@ -135,16 +134,16 @@ class BatchFiller:
         if self.filter_groups == "none":
             batch = generated
         else:
-            kept = [g for g in generated if informative(g[2])]
+            kept = [g for g in generated if informative(g.rewards)]
             while len(kept) < self.prompts_per_step and rounds < self.max_generation_rounds:
                 more = self._shape(next_round(rounds))
                 rounds += 1
                 generated += more
-                kept += [g for g in more if informative(g[2])]
+                kept += [g for g in more if informative(g.rewards)]
             informative_count = len(kept)
             batch = kept[:self.prompts_per_step]
             # too few sequences for the mini-batches: zero-variance groups (advantage 0) make up the count
-            spare = (g for g in generated if not informative(g[2]))
+            spare = (g for g in generated if not informative(g.rewards))
             while _num_samples(batch) < self.min_samples and len(batch) < len(generated):
                 batch.append(next(spare))
         keep = loss_keep(batch, self.overlong)
@@ -162,7 +161,7 @@ class BatchFiller:
     def _metrics(self, generated: list[Group], batch: list[Group], keep: list[list[bool]], rounds: int,
                  informative_count: int | None) -> dict[str, float]:
         out: dict[str, float] = {}
-        samples = [s for _, ss, _, _ in generated for s in ss]
+        samples = [s for g in generated for s in g.samples]
         trained = sum(sum(k) for k in keep)
         if self.overlong != "none":
             out["overlong/truncated_frac"] = sum(is_truncated(s) for s in samples) / max(len(samples), 1)
@@ -184,7 +183,7 @@ class BatchFiller:
                 "filter/groups_surplus": float(max(0, informative_count - self.prompts_per_step)),
                 "filter/groups_trained": float(len(batch)),
                 "filter/underfilled": float(informative_count < self.prompts_per_step),
-                "filter/reward_mean_generated": (sum(r for _, _, rs, _ in generated for r in rs)
+                "filter/reward_mean_generated": (sum(r for g in generated for r in g.rewards)
                                                  / max(len(samples), 1)),
             })
         return out

@@ -133,7 +133,7 @@ class TrainSection:
     measure_routing_drift: bool = True
     seed: int = 0
     # sync: generate, then train on it. overlap: the engine (its own process) generates the next steps'
-    # batches while the trainer updates; a batch is at most max_staleness updates old (trainer/overlap.py)
+    # batches while the trainer updates; a batch is at most max_staleness updates old (trainer/schedule/overlap.py)
     rollout_mode: Literal["sync", "overlap"] = "sync"
     max_staleness: int = 1
     # torch threads of each trainer process in overlap mode; 0: the process's share of the cores minus
@@ -304,14 +304,18 @@ class TrainConfig:
 
 
 def check_partial(config: "TrainConfig") -> None:
-    """What ``rollout.partial`` needs of the rest of the config, and what it does not support yet (by name)."""
+    """What ``rollout.partial`` needs of the rest of the config, and the two combinations it refuses (by
+    name, with the reason; docs/training.md, "Partial rollouts")."""
     r, t = config.rollout, config.train
-    unsupported = ((r.multi_turn is None, "rollout.multi_turn", "set"),
-                   (r.filter_groups == "none", "rollout.filter_groups", r.filter_groups),
-                   (t.routing_replay in ("off", "r2"), "train.routing_replay", f"{t.routing_replay} (the engine's "
-                    "experts of earlier segments are not kept)"))
-    for ok, field, value in unsupported:
-        check(ok, field, f"rollout.partial is not built for {value} yet (docs/training.md, \"Partial rollouts\")")
+    refused = ((r.multi_turn is None, "rollout.multi_turn",
+                "is refused with rollout.partial: a trajectory's tool turns and turn count are not carried across "
+                "steps (the agent loop runs whole trajectories inside one engine call)"),
+               (t.routing_replay in ("off", "r2"), "train.routing_replay",
+                f"{t.routing_replay} is refused with rollout.partial: a continued response's earlier segments were "
+                "routed by older weights and the engine's records are not kept per segment, so R3 cannot replay "
+                "each segment's own experts (use r2 or off)"))
+    for ok, field, why in refused:
+        check(ok, field, f"{why} (docs/training.md, \"Partial rollouts\")")
     # the ratio needs the behaviour policy of every token: as pi_old, or through truncated importance sampling
     check(r.logprobs_from == "engine" or config.loss.tis_mode != "none", "rollout.logprobs_from",
           "with rollout.partial the tokens of a response come from several weight versions: use engine (pi_old = "

@@ -96,7 +96,7 @@ def fits_in_grace(grace_s: float, elapsed_s: float, rest_of_step_s: float, save_
     return elapsed_s + rest_of_step_s + save_s <= grace_s
 
 
-class PartialStep:
+class StoppedUpdate:
     """The rest of an RL step that a signal stopped between mini-batches: this rank's shares of the
     mini-batches not yet trained on (the rollout batch with its old / reference log-probs and advantages), the
     metrics of the mini-batches done, and the step's other metrics. Saved in the checkpoint (one file per rank
@@ -121,7 +121,7 @@ class PartialStep:
         torch.save(self.shares, folder / self.file_name(rank))
 
     @classmethod
-    def load(cls, folder: Path, meta: dict, rank: int, world_size: int) -> "PartialStep":
+    def load(cls, folder: Path, meta: dict, rank: int, world_size: int) -> "StoppedUpdate":
         import torch
 
         from gspo_megatron.typed_config import ConfigError
@@ -129,9 +129,9 @@ class PartialStep:
         if meta["world_size"] != world_size:
             raise ConfigError(f"{folder}: a signal stopped this step between mini-batches on {meta['world_size']} "
                               f"processes; resume it on {meta['world_size']} (each holds its share of the rest)")
-        # our own file, written by PartialStep.write: TrainSequence objects, not only tensors
+        # our own file, written by StoppedUpdate.write: TrainSequence objects, not only tensors
         shares = torch.load(folder / cls.file_name(rank), weights_only=False)
         return cls(shares, list(meta["update_metrics"]), dict(meta["metrics"]), restored=True)
 
 
-__all__ = ["DEFAULT_SIGNALS", "PartialStep", "PreemptionFlag", "fits_in_grace"]
+__all__ = ["DEFAULT_SIGNALS", "StoppedUpdate", "PreemptionFlag", "fits_in_grace"]

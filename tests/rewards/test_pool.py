@@ -260,6 +260,7 @@ def test_a_0_to_10_reward_does_not_report_wrong_answers_as_accurate(tmp_path, mo
 
     from gspo_megatron.rollout.base import Sample
     from gspo_megatron.trainer.loop import _any_correct, _batch_metrics, _fraction
+    from gspo_megatron.trainer.schedule.base import RolloutGroup
 
     (tmp_path / "gspo_test_correct.py").write_text(CORRECTNESS)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -269,8 +270,9 @@ def test_a_0_to_10_reward_does_not_report_wrong_answers_as_accurate(tmp_path, mo
         with RewardPool(_cfg([term], num_workers=0)) as pool:
             scores = pool.score_verdicts([({}, r) for group in responses for r in group])
         assert scores.rewards == [3.0, 7.0, 7.0, 3.0]
-        batch = [({}, [Sample(i, [1, 2], [-0.5, -0.5], "stop") for _ in group], scores.rewards[2 * i:2 * i + 2],
-                  scores.correct[2 * i:2 * i + 2]) for i, group in enumerate(responses)]
+        batch = [RolloutGroup({}, [Sample(i, [1, 2], [-0.5, -0.5], "stop") for _ in group],
+                              scores.rewards[2 * i:2 * i + 2], scores.correct[2 * i:2 * i + 2])
+                 for i, group in enumerate(responses)]
         metrics = _batch_metrics(batch, torch.tensor(scores.rewards).view(2, 2), torch.zeros(2, dtype=torch.bool))
         assert metrics.get("accuracy") == accuracy and metrics["reward_mean"] == 5.0
         # Trainer.evaluate's two: greedy pass@1 (the first sample) and pass@k (any of the group)

@@ -64,7 +64,10 @@ def test_a_partial_response_loss_equals_the_closed_form_of_its_segments_behaviou
         responses.append(r.to_sample(0))
     prompt = SimpleNamespace(prompt_ids=[11, 12])
     advantages = torch.tensor([[1.0, -0.5]])
-    seqs = _training_sequences([(prompt, responses, [1.0, 0.0], [True, False])], advantages, with_routing=False)
+    from gspo_megatron.trainer.schedule.base import RolloutGroup
+
+    seqs = _training_sequences([RolloutGroup(prompt, responses, [1.0, 0.0], [True, False])], advantages,
+                               with_routing=False)
     old = torch.cat([q.rollout_logprobs for q in seqs])
     current = torch.tensor([-0.49, -1.2, -0.76, -1.9, -0.13, -0.26, -0.31, -0.88, -1.05, -0.61, -0.18],
                            requires_grad=True)
@@ -183,9 +186,12 @@ def test_config_fields_and_unsupported_combinations_are_refused_by_name():
                                           r"train\.max_staleness=1: raise the budget to at least 8 or train\.max_staleness to 2$"):
         load_config(DEMO, [*on, "train.rollout_mode=overlap", "train.max_staleness=1"])
     assert load_config(DEMO, [*on, "train.rollout_mode=overlap", "train.max_staleness=2"]).train.max_staleness == 2
-    for field, value in (("rollout.filter_groups", "zero_variance"), ("train.routing_replay", "r3")):
-        with pytest.raises(ConfigError, match="^" + re.escape(field) + r": rollout\.partial is not built for"):
-            load_config(DEMO, [*on, f"{field}={value}"])
+    # dynamic sampling composes with partial rollouts (trainer/schedule/partial.py); R3 is refused, with why
+    assert load_config(DEMO, [*on, "rollout.filter_groups=zero_variance"]).rollout.filter_groups == "zero_variance"
+    for value in ("r3", "auto"):
+        with pytest.raises(ConfigError, match=r"^train\.routing_replay: " + value + r" is refused with rollout\.partial: "
+                                              r"a continued response's earlier segments"):
+            load_config(DEMO, [*on, f"train.routing_replay={value}"])
 
 
 def test_a_partial_checkpoint_refuses_another_group_size_on_resume():

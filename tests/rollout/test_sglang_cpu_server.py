@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from gspo_megatron.rollout.sglang import engine as sglang_engine, weight_sync as sglang_weight_sync
+from gspo_megatron.rollout.ahead import ThreadedEngine
 from gspo_megatron.rollout.base import RolloutInputError, SamplingParams
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.rollout.sglang.engine import SGLangEngine, SGLangEngineError
@@ -145,9 +146,10 @@ class TestTwoDenseServers:
 
     def test_submitted_generation_finishes_on_the_old_weights_before_a_sync(self, pair, dense):
         head = load_file(dense / "model.safetensors")[HEAD]
-        ahead = pair.submit(PROMPTS, 2, SamplingParams(max_new_tokens=16))
-        pair.update_weights([(HEAD, torch.zeros_like(head))], final=True)  # waits for the submitted generation
-        early = pair.result(ahead)
+        threaded = ThreadedEngine(pair)  # what the overlapped schedule drives (not shut down: pair is shared)
+        ahead = threaded.submit(PROMPTS, 2, SamplingParams(max_new_tokens=16))
+        threaded.update_weights([(HEAD, torch.zeros_like(head))], final=True)  # waits for the submitted generation
+        early = threaded.result(ahead)
         assert _max_gap(dense, PROMPTS, early.samples) < 1e-4  # sampled entirely from the weights before the sync
         assert _uniform(pair.generate(PROMPTS[:2], 1, SamplingParams(max_new_tokens=4)))
         pair.update_weights([(HEAD, head)], final=True)
@@ -175,10 +177,11 @@ class TestTwoDenseServers:
         pair.update_weights(sorted(original.items()), final=True)  # weights v>0: a fresh server is stale
         victim, survivor = pair.slots
         pid = victim.process.pid
-        ahead = pair.submit(PROMPTS * 4, 2, SamplingParams(max_new_tokens=48))
+        threaded = ThreadedEngine(pair)
+        ahead = threaded.submit(PROMPTS * 4, 2, SamplingParams(max_new_tokens=48))
         time.sleep(1.0)
         os.killpg(pid, signal.SIGKILL)  # the server and its scheduler / detokenizer, mid-rollout
-        samples = pair.result(ahead).samples  # the lost requests are retried on the survivor
+        samples = threaded.result(ahead).samples  # the lost requests are retried on the survivor
         assert len(samples) == len(PROMPTS) * 4 * 2 and _max_gap(dense, PROMPTS * 4, samples[:6]) < 1e-4
         assert victim.process.pid != pid and victim.process.alive() and victim.restarts == 1
         assert pair.server_states()[victim.url].startswith("stale")

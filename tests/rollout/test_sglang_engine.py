@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from gspo_megatron.rollout.sglang import engine as engine_mod
+from gspo_megatron.rollout.ahead import ThreadedEngine
 from gspo_megatron.rollout.base import RolloutInputError, SamplingParams
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.rollout.sglang.engine import SGLangEngine, SGLangEngineError, attach_servers, launch_servers
@@ -482,7 +483,7 @@ def test_a_generation_submitted_before_an_update_runs_wholly_on_the_old_weights(
     monkeypatch.setattr(sglang_standin, "fake_generate",
                         sglang_standin.finishing_late(sglang_standin.fake_generate, "/generate"))
     with StandinServer() as srv:
-        engine = _attach([srv], prompts_per_request=8)
+        engine = ThreadedEngine(_attach([srv], prompts_per_request=8))  # what the overlapped schedule drives
         try:
             start = time.perf_counter()
             first = engine.submit(PROMPTS, 2, PARAMS)

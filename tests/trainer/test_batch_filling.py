@@ -5,6 +5,7 @@ import torch
 
 from gspo_megatron.algorithms.advantages import group_advantages
 from gspo_megatron.rollout.base import Sample
+from gspo_megatron.trainer.schedule.base import RolloutGroup
 from gspo_megatron.trainer.batch_filling import (BatchFiller, informative, loss_keep, overlong_penalty, round_seed,
                                                  shape_overlong_rewards)
 
@@ -12,11 +13,11 @@ from gspo_megatron.trainer.batch_filling import (BatchFiller, informative, loss_
 def group(name, rewards, lengths=None, truncated=()):
     lengths = lengths or [3] * len(rewards)
     samples = [Sample(0, [1] * n, [-0.5] * n, "length" if j in truncated else "stop") for j, n in enumerate(lengths)]
-    return (name, samples, list(rewards), [r >= 1.0 for r in rewards])
+    return RolloutGroup(name, samples, list(rewards), [r >= 1.0 for r in rewards])
 
 
 def names(groups):
-    return [g[0] for g in groups]
+    return [g.prompt for g in groups]
 
 
 def test_overlong_penalty_is_dapo_eq13():
@@ -29,8 +30,8 @@ def test_overlong_penalty_is_dapo_eq13():
 def test_soft_penalty_is_added_to_every_reward_before_the_filter():
     batch = [group("a", [1.0, 1.0], lengths=[4, 7]), group("b", [0.0, 0.5], lengths=[8, 2], truncated=[0])]
     shaped = shape_overlong_rewards(batch, "soft_penalty", 8, 4)
-    assert [g[2] for g in shaped] == [[1.0, 0.25], [-1.0, 0.5]]
-    assert [g[2] for g in batch] == [[1.0, 1.0], [0.0, 0.5]]  # the input is not modified
+    assert [g.rewards for g in shaped] == [[1.0, 0.25], [-1.0, 0.5]]
+    assert [g.rewards for g in batch] == [[1.0, 1.0], [0.0, 0.5]]  # the input is not modified
     assert shape_overlong_rewards(batch, "mask", 8, 4) == batch
     # group "a" had equal rewards (no signal) until the penalty told its lengths apart
     filled = BatchFiller(2, 1, "zero_variance", 1, "soft_penalty", 4, 8).fill(batch, None)
@@ -61,7 +62,7 @@ def test_mask_leaves_the_training_sequences_and_their_normaliser():
     class Prompt:
         prompt_ids = [1, 2]
 
-    batch = [(Prompt(), samples, rewards, correct) for _, samples, rewards, correct in batch]
+    batch = [RolloutGroup(Prompt(), samples, rewards, correct) for _, samples, rewards, correct in batch]
     adv = group_advantages(torch.tensor([[1.0, 0.0]])).advantages
     every = _training_sequences(batch, adv, with_routing=False)
     kept = _training_sequences(batch, adv, with_routing=False, keep=loss_keep(batch, "mask"))
@@ -88,9 +89,9 @@ def test_filter_drops_exactly_the_zero_variance_groups_and_refills():
     assert m["samples_per_trained_sample"] == 16 / 6
     assert names(filled.generated) == ["a", "b", "z", "c", "d", "e", "f", "g"]
     # the same groups as group_advantages' zero-variance test, whose advantages are exactly zero
-    rewards = torch.tensor([g[2] for g in filled.generated])
+    rewards = torch.tensor([g.rewards for g in filled.generated])
     adv = group_advantages(rewards)
-    assert [informative(g[2]) for g in filled.generated] == (~adv.zero_variance).tolist()
+    assert [informative(g.rewards) for g in filled.generated] == (~adv.zero_variance).tolist()
     assert adv.advantages[adv.zero_variance].abs().sum() == 0
 
 
@@ -244,7 +245,7 @@ def test_refill_rounds_reach_the_sglang_servers_with_their_round_seeds(tmp_path)
     informative sends refill rounds, each seeded by its round seed, and trains what they give."""
     from gspo_megatron.megatron.spawn import run_distributed
     from gspo_megatron.rollout.sampling import sample_seed
-    from gspo_megatron.trainer.loop import step_seed
+    from gspo_megatron.trainer.schedule.base import step_seed
     from tests.rollout.sglang_standin import StandinServer
 
     with StandinServer() as server:

@@ -30,7 +30,7 @@ def engine_failures(rank, world_size, run_dir: str, failures: int, failing_rank:
         return real_generate(*args, **kwargs)
 
     broken.generate = flaky
-    trainer._build_engine = lambda: broken  # the "rebuilt" engine is the same object, still flaky
+    trainer.supervisor.build = lambda: (broken, broken)  # the "rebuilt" engine is the same object, still flaky
     try:
         metrics = trainer.train_step()
         return {"ok": True, "restarts": trainer.faults["engine_restarts"], "reward": metrics["reward_mean"],
@@ -74,7 +74,7 @@ def deterministic_errors(rank, world_size, run_dir: str) -> dict:
     try:
         too_long = [[1] * trainer.model_config.max_position_embeddings]  # the real engine's own check
         try:
-            trainer._generate(too_long, 2, SamplingParams(max_new_tokens=4))
+            trainer.supervisor.generate(too_long, 2, SamplingParams(max_new_tokens=4))
         except RolloutInputError as err:
             out["input"] = (str(err), trainer.faults["engine_restarts"])
 
@@ -82,9 +82,9 @@ def deterministic_errors(rank, world_size, run_dir: str) -> dict:
             raise ConnectionError("CUDA error: an illegal memory access was encountered")
 
         engine.generate = same_error
-        trainer._build_engine = lambda: engine  # the "rebuilt" engine fails the same way
+        trainer.supervisor.build = lambda: (engine, engine)  # the "rebuilt" engine fails the same way
         try:
-            trainer._generate([[1, 2, 3]], 2, SamplingParams(max_new_tokens=4))
+            trainer.supervisor.generate([[1, 2, 3]], 2, SamplingParams(max_new_tokens=4))
         except RuntimeError as err:
             out["same"] = (str(err), trainer.faults["engine_restarts"])
         return out
@@ -116,7 +116,7 @@ def overlap_engine_killed(rank, world_size, run_dir: str, extra: tuple[str, ...]
                  "train.prompts_per_step=2", "rollout.max_new_tokens=4", "train.rollout_mode=overlap",
                  "train.minibatches_per_step=2", *extra]
     trainer = Trainer(load_config(DEMO, overrides), run_dir)
-    partial = trainer.in_flight is not None
+    partial = trainer.config.rollout.partial
 
     def kill_engine():  # what the OOM killer does
         os.kill(trainer.engine._process.pid, signal.SIGKILL)
@@ -135,11 +135,11 @@ def overlap_engine_killed(rank, world_size, run_dir: str, extra: tuple[str, ...]
         trainer.train_step()  # its weight sync meets the dead engine
         trainer.step += 1
         # partial rollouts: the next step's round, generated again after the sync, by the weights of 1 update
-        resubmitted = [f.version for f in trainer.round_ahead.flights] if partial else None
+        resubmitted = [f.version for f in trainer.driver.inner.round_ahead.flights] if partial else None
         kill_engine()  # between steps: the next top-up (partial: taking the round ahead) meets it
         metrics = trainer.train_step()
         # partial: the first segments of step 1's fresh groups, generated again after the restart
-        first = sorted({r.segments[0].version for g in trainer.in_flight.groups if g.started == 1
+        first = sorted({r.segments[0].version for g in trainer.driver.inner.pool.groups if g.started == 1
                         for r in g.responses if r.segments} if partial else ())
         return {"restarts": trainer.faults["engine_restarts"], "reward": metrics["reward_mean"],
                 "healthy": trainer.engine.healthy(), "resubmitted": resubmitted, "first": first,

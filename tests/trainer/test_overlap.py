@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gspo_megatron.rollout.base import Sample, SamplingParams
-from gspo_megatron.trainer.overlap import (InFlight, RolloutAhead, overlap_timing, sample_from_dict, sample_to_dict,
+from gspo_megatron.trainer.schedule.overlap import (InFlight, RolloutAhead, overlap_timing, sample_from_dict, sample_to_dict,
                                            staleness, trainer_threads)
 from tests.trainer.test_train_e2e import DEMO, ENV, REPO, command, kill_after_checkpoint, train
 
@@ -221,7 +221,7 @@ def test_responses_stop_at_every_eos_of_the_generation_config(tmp_path):
     """SGLang stops at the model's generation-config EOS ids, so the transformers engine must stop there too."""
     import json
 
-    from gspo_megatron.trainer.loop import stop_token_ids
+    from gspo_megatron.trainer.schedule.rollouts import stop_token_ids
 
     class Tok:
         eos_token_id = 7

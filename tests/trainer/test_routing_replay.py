@@ -55,16 +55,16 @@ def replayed_step(rank, world_size, run_dir: str, mode: str, model: tuple[str, .
     trainer.engine.generate = generate
     checks = {"replayed": 0, "mismatched": 0, "free_differs": 0, "given": [], "flags": [], "dtypes": [],
               "gathered_records": 0}
-    real_gather = trainer._score_and_gather
+    real_gather = trainer.rollouts.score_and_gather
 
     def score_and_gather(mine, samples, samples_per_prompt):
         # what every data-parallel rank receives: the batch without its routed experts (they go to the
         # rank that trains each sequence, trainer/routing_exchange.py)
         batch, metrics = real_gather(mine, samples, samples_per_prompt)
-        checks["gathered_records"] += sum(s.routed_experts is not None for _, ss, _, _ in batch for s in ss)
+        checks["gathered_records"] += sum(s.routed_experts is not None for g in batch for s in g.samples)
         return batch, metrics
 
-    trainer._score_and_gather = score_and_gather
+    trainer.rollouts.score_and_gather = score_and_gather
     real_train = trainer.policy.train_minibatch
 
     def train_minibatch(seqs, replay=False):

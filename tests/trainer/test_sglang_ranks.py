@@ -243,10 +243,10 @@ def trainer_worker(rank, world_size, run_dir: str, urls: list, disk_dir: str) ->
         metrics = trainer.train_step()
         trainer.step += 1
         # the next step's rollout: it must reach the servers only after they took the step's weights
-        batch, _ = trainer.rollout(next(trainer.prompts), SECOND_ROLLOUT_SEED + trainer.dp_rank, 2, 1.0, 4)
+        batch, _ = trainer.rollouts.rollout(next(trainer.prompts), SECOND_ROLLOUT_SEED + trainer.dp_rank, 2, 1.0, 4)
         return {"posts": trainer.engine.posts_weights, "version": trainer.engine.weight_version,
                 "dp_rank": trainer.dp_rank, "dp_size": trainer.dp_size, "reward": metrics["reward_mean"],
-                "second": sum(len(s) for _, s, _, _ in batch)}
+                "second": sum(len(g.samples) for g in batch)}
     finally:
         trainer.close()
 
@@ -268,7 +268,7 @@ def test_trainer_step_on_two_ranks_syncs_each_server_once_and_waits_for_it(tmp_p
     assert all(0.0 <= r["reward"] <= 1.0 and r["second"] == 4 * 2 for r in runs)
 
     # which (rollout, rank) a request belongs to, from its per-sample seeds (seeded requests, G = 8 then 2)
-    from gspo_megatron.trainer.loop import step_seed
+    from gspo_megatron.trainer.schedule.base import step_seed
 
     # (one call seed per rollout, the same on every rank; samples seeded by their global prompt index: rank r
     # holds prompts 2r and 2r + 1 of the 4)
@@ -312,7 +312,7 @@ def overlap_worker(rank, world_size, run_dir: str, urls: list, disk_dir: str) ->
             ages.append(metrics["staleness"])
             hidden.append("overlap_hidden_frac" in metrics)
         return {"ages": ages, "hidden": hidden, "version": trainer.engine.weight_version,
-                "ahead": [f.step for f in trainer.ahead.queue]}
+                "ahead": [f.step for f in trainer.driver.inner.ahead.queue]}
     finally:
         trainer.close()
 
@@ -321,7 +321,7 @@ def _slow_generate(real):
     """A /generate that records when it finished, and takes 0.8 s for rank 1's prompts (global indices 2 and 3 of
     each step's 4, told by their sample seeds) and 0.05 s for rank 0's: rank 0 is ready to post weights while
     rank 1's generation still runs on the shared servers."""
-    from gspo_megatron.trainer.loop import step_seed
+    from gspo_megatron.trainer.schedule.base import step_seed
 
     rank1 = {sample_seed(step_seed(0, step, 1), i, j) for step in range(5) for i in (2, 3) for j in range(8)}
     return sglang_standin.finishing_late(

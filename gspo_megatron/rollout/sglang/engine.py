@@ -27,9 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from gspo_megatron.megatron.device import cuda_present
-from gspo_megatron.rollout.ahead import SubmittedGenerations
 from gspo_megatron.rollout.base import RolloutEngine, RolloutInputError, Sample, SamplingParams
-from gspo_megatron.rollout.process_engine import GenerationResult
 from gspo_megatron.rollout.sglang.config import MEMORY_TAGS, QUANTIZED_SYNC_REFUSAL, SGLangConfig, served_quantization
 from gspo_megatron.rollout.sglang.cpu import cpu_server_env, libcuda_standin_dir
 from gspo_megatron.rollout.sglang.http import (RetriesExhausted, RetryPolicy, ServerBusy, ServerRejected,
@@ -198,8 +196,6 @@ class SGLangEngine(RolloutEngine):
         self._released: set[str] = set()  # memory regions this engine released on its servers
         # colocated (tensor sync): the servers share the trainer's GPUs
         self.releases_memory = cfg.weight_sync == "tensor" and cfg.release_memory
-        # overlapped rollouts: generations submitted ahead run on a background thread (rollout/ahead.py)
-        self._ahead = SubmittedGenerations(self.generate, lambda: self.weight_version)
         for slot in self.slots:
             slot.info = self._fetch_server_info(slot)
             slot.weight_version = self._version_after_start()
@@ -430,23 +426,6 @@ class SGLangEngine(RolloutEngine):
         moe_layers = tuple(i for i, is_moe in enumerate(model.moe_layer_pattern()) if is_moe)
         return RoutedExpertsLayout(hf["num_hidden_layers"], hf["num_experts_per_tok"], moe_layers)
 
-    # ------------------------------------------------------------------ overlapped rollouts
-
-    def submit(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, params: SamplingParams) -> int:
-        """Start ``generate`` on a background thread; ``result`` takes it (train.rollout_mode: overlap)."""
-        self._check_open()
-        return self._ahead.submit(prompts, samples_per_prompt, params)
-
-    def result(self, request_id: int) -> GenerationResult:
-        return self._ahead.result(request_id)
-
-    def cancel(self, request_id: int) -> None:
-        self._ahead.cancel(request_id)
-
-    def wait_submitted(self) -> None:
-        """Block until every submitted generation has finished (``update_weights`` does this first)."""
-        self._ahead.wait()
-
     # ------------------------------------------------------------------ weight sync
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, final: bool) -> None:
@@ -459,8 +438,6 @@ class SGLangEngine(RolloutEngine):
         A server that stops answering during a sync is recovered, left out of the rest of it, and stays stale.
         """
         self._check_open()
-        # a generation submitted before this update must run entirely on the old weights
-        self._ahead.wait()
         if not self.posts_weights:
             if final:
                 # Provisional until adopt_sync_report: the poster knows which servers took the weights.
@@ -812,7 +789,6 @@ class SGLangEngine(RolloutEngine):
         if self._closed:
             return
         self._closed = True
-        self._ahead.shutdown()
         if self._group is not None:
             self._group.destroy()
             self._group = None

@@ -27,6 +27,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gspo_megatron.rollout.base import Sample
+from gspo_megatron.trainer.schedule.base import RolloutDriver, RolloutGroup, StepRollout, my_part
+from gspo_megatron.trainer.schedule.rollouts import Rollouts
+from gspo_megatron.trainer.schedule.sync import fresh_round
 
 
 @dataclasses.dataclass
@@ -70,6 +73,69 @@ def overlap_timing(*flights: InFlight) -> dict[str, float]:
     hidden = 1.0 - waited_s / generate_s if generate_s > 0 else 1.0
     return {"time_engine_generate_s": generate_s, "time_generate_wait_s": waited_s,
             "overlap_hidden_frac": min(1.0, max(0.0, hidden))}
+
+
+class OverlapDriver(RolloutDriver):
+    """The overlapped schedule (module docstring): ``ahead`` keeps the next ``max_staleness`` steps'
+    batches generating while the trainer updates; a step takes its own batch and scores it."""
+
+    owns = ("rollout_ahead",)
+    busy_during_update = True
+
+    def __init__(self, rollouts: Rollouts, max_staleness: int):
+        self.rollouts = rollouts
+        self.ahead = RolloutAhead(max_staleness)
+
+    def _sampling(self, flight: InFlight):
+        return self.rollouts.sampling(flight.prompts, **self.rollouts.rule.for_step(flight.step))
+
+    def _submit(self, flight: InFlight) -> int | None:
+        mine, params = self._sampling(flight)
+        if not mine:
+            return None
+        return self.rollouts.supervisor.engine.submit([p.prompt_ids for p in mine],
+                                                      self.rollouts.rule.samples_per_prompt, params)
+
+    def step_groups(self, step: int) -> StepRollout:
+        r, supervisor = self.rollouts, self.rollouts.supervisor
+        if not supervisor.all_healthy():  # an engine process died since the last sync: rebuilt, synced, resubmitted
+            supervisor.sync_weights(step)
+        self.ahead.top_up(step, r.next_prompts, self._submit)
+        flight = self.ahead.pop(step)
+        mine, params = self._sampling(flight)
+        G = r.rule.samples_per_prompt
+        if flight.samples is None:
+            flight.samples = supervisor.generate([p.prompt_ids for p in mine], G, params, flight=flight)
+        age = staleness(step + 1, flight.version, self.ahead.max_staleness, flight.step)
+        groups, reward_metrics = r.score_and_gather(mine, flight.samples, G)
+        return StepRollout(groups, reward_metrics, age, overlap_timing(flight))
+
+    def extra_round(self, step: int, round_index: int) -> list[RolloutGroup]:
+        return fresh_round(self.rollouts, step, round_index)
+
+    def resubmit(self, rebuilt: bool) -> None:
+        """Every queued batch is generated again with the current weights (a rebuilt engine lost its
+        requests; a healthy one drops the old results), so all ranks stay on one version."""
+        for flight in self.ahead.queue:
+            if flight.samples is not None:
+                continue
+            if flight.request_id is not None and not rebuilt:
+                self.rollouts.supervisor.engine.cancel(flight.request_id)
+            flight.request_id, flight.version = self._submit(flight), self.rollouts.supervisor.version
+
+    def drain(self) -> None:
+        self.ahead.complete(self.rollouts.supervisor.engine.result)
+
+    def state_dict(self) -> dict[str, Any]:
+        # the batches already generated ahead belong to the run: the resumed run consumes the same ones
+        return {"rollout_ahead": self.rollouts.per_dp_rank(self.ahead.state_dict())}
+
+    def load_state_dict(self, meta: dict[str, Any], path) -> None:
+        super().load_state_dict(meta, path)
+        r = self.rollouts
+        mine = my_part(meta.get("rollout_ahead"), path, "batches generated ahead", r.dp_size, r.dp_rank)
+        if mine is not None:
+            self.ahead.load_state_dict(mine, r.dataset)
 
 
 @dataclasses.dataclass
