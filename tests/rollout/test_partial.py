@@ -166,7 +166,7 @@ def test_bounds():
 def test_config_fields_and_unsupported_combinations_are_refused_by_name():
     from gspo_megatron.trainer.config import load_config
     from gspo_megatron.typed_config import ConfigError
-    from tests.trainer.test_train_e2e import DEMO
+    from tests.runs import DEMO
 
     on = ["rollout.partial=true", "rollout.partial_token_budget=4", "rollout.logprobs_from=engine"]
     cfg = load_config(DEMO, on)
@@ -198,7 +198,7 @@ def test_a_partial_checkpoint_refuses_another_group_size_on_resume():
     from gspo_megatron.trainer.config import load_config
     from gspo_megatron.trainer.resume import resume_changes
     from gspo_megatron.typed_config import ConfigError, to_dict
-    from tests.trainer.test_train_e2e import DEMO
+    from tests.runs import DEMO
 
     on = ["rollout.partial=true", "rollout.partial_token_budget=4", "rollout.logprobs_from=engine"]
     saved = to_dict(load_config(DEMO, on))

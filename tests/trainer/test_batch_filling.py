@@ -128,7 +128,7 @@ def test_round_seeds():
 def test_config_fields_are_validated():
     from gspo_megatron.trainer.config import load_config
     from gspo_megatron.typed_config import ConfigError
-    from tests.trainer.test_train_e2e import DEMO
+    from tests.runs import DEMO
 
     with pytest.raises(ConfigError, match=r"^rollout\.max_generation_rounds: must be >= 1, got 0"):
         load_config(DEMO, ["rollout.max_generation_rounds=0"])
@@ -143,7 +143,7 @@ def test_config_fields_are_validated():
 
 
 # ---- in the trainer ------------------------------------------------------------------------------------
-from tests.trainer.test_train_e2e import DEMO as DEMO_CONFIG  # noqa: E402
+from tests.runs import DEMO as DEMO_CONFIG  # noqa: E402
 
 # lr 1e-4, where LOSS_TOL below was measured: at the demo's 3e-4 the float32 noise between layouts after a
 # step (sequence log-ratios ~1e-4) is of the clip's own width (3e-4), so a sequence can clip at one layout and
@@ -171,7 +171,7 @@ def test_filtered_overlap_run_with_masked_overlong_resumes_exactly_after_sigkill
     prompts and seeds) and so every metric equal the uninterrupted run's."""
     import signal
 
-    from tests.trainer.test_train_e2e import kill_after_checkpoint, train
+    from tests.runs import kill_after_checkpoint, train
 
     common = ["train.steps=4", "sft.steps=40", "train.prompts_per_step=8", "eval.every_steps=2",
               "eval.num_prompts=8", "eval.pass_k=1", "checkpoint.every_steps=2", "rollout.overlong=mask",

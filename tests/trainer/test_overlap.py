@@ -14,7 +14,7 @@ import torch
 from gspo_megatron.rollout.base import Sample, SamplingParams
 from gspo_megatron.trainer.schedule.overlap import (InFlight, RolloutAhead, overlap_timing, sample_from_dict, sample_to_dict,
                                            staleness, trainer_threads)
-from tests.trainer.test_train_e2e import DEMO, ENV, REPO, command, kill_after_checkpoint, train
+from tests.runs import DEMO, ENV, REPO, command, kill_after_checkpoint, train
 
 
 class _Prompt:

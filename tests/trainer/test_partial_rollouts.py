@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.trainer.test_train_e2e import DEMO, ENV, REPO, command, kill_after_checkpoint, train
+from tests.runs import DEMO, ENV, REPO, command, kill_after_checkpoint, train
 
 PARTIAL = ["rollout.partial=true", "rollout.partial_token_budget=4", "rollout.logprobs_from=engine"]
 COMMON = ["train.steps=4", "sft.steps=40", "train.prompts_per_step=8", "eval.every_steps=2", "eval.num_prompts=8",

@@ -2,7 +2,7 @@
 import math
 
 import pytest
-from tests.trainer.test_train_e2e import train
+from tests.runs import train
 
 
 @pytest.mark.slow

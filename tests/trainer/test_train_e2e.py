@@ -1,10 +1,8 @@
 """End to end on CPU: the demo config trains, logs, checkpoints, resumes; config errors name the field."""
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -12,39 +10,7 @@ import pytest
 from gspo_megatron.trainer.config import load_config
 from gspo_megatron.typed_config import ConfigError
 
-REPO = Path(__file__).resolve().parents[2]
-DEMO = REPO / "examples" / "cpu_demo.yaml"
-
-
-def command(run_dir, *overrides, resume=False):
-    cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(DEMO), "--run-dir", str(run_dir),
-           "logging.console=false", "logging.tensorboard=false", *overrides]
-    return cmd + (["--resume"] if resume else [])
-
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def train(run_dir, *overrides, resume=False):
-    proc = subprocess.run(command(run_dir, *overrides, resume=resume), capture_output=True, text=True, timeout=600,
-                          cwd=REPO, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def kill_after_checkpoint(run_dir, step, *overrides):
-    """Start a run and SIGKILL it as soon as the checkpoint of ``step`` is complete."""
-    proc = subprocess.Popen(command(run_dir, *overrides), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    marker = Path(run_dir) / "checkpoints" / f"step_{step:06d}" / "gspo_meta.json"
-    deadline = time.monotonic() + 600
-    while not marker.exists():
-        assert proc.poll() is None, "the run ended before its checkpoint"
-        assert time.monotonic() < deadline, "no checkpoint in time"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    return proc.returncode
+from tests.runs import DEMO, ENV, REPO, command, kill_after_checkpoint, train
 
 
 @pytest.mark.slow
