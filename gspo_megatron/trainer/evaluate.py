@@ -79,11 +79,47 @@ def eval_config(checkpoint_dir: Path, dataset: str, k: int, num_prompts: int, co
     return build(TrainConfig, config, "")
 
 
+def evaluate_checkpoint(config, checkpoint_dir: Path) -> tuple[dict[str, float], list, int]:
+    """pass@1 / pass@k of ``checkpoint_dir``'s policy weights: a forward-only model (no optimizer, no signal
+    handlers, no run folder), the run's engine and rewards (trainer/components.py). Every rank calls it.
+    Returns (metrics, per-prompt rows on rank 0, prompts evaluated)."""
+    import torch.distributed as dist
+
+    from gspo_megatron.data.dataset import load_prompt_datasets
+    from gspo_megatron.megatron import checkpoint as ckpt
+    from gspo_megatron.megatron.parallel import initialize_model_parallel
+    from gspo_megatron.rewards.pool import build_reward_pool
+    from gspo_megatron.trainer import checkpointing
+    from gspo_megatron.trainer import components as parts
+    from gspo_megatron.trainer.schedule.rollouts import Rollouts
+
+    rank = dist.get_rank()
+    initialize_model_parallel(config.parallel, seed=config.model.init_seed)
+    tokenizer = parts.load_tokenizer(config.model)
+    model_config = parts.model_config_of(config.model)
+    policy = parts.policy_model(config, model_config, frozen=True)
+    ckpt.verify(checkpoint_dir)  # a missing or cut checkpoint is named, not a DCP traceback
+    checkpointing.load_weights_only(policy, checkpoint_dir)
+    supervisor = parts.engine_supervisor(config, model_config, tokenizer, policy, {"engine_restarts": 0}, rank)
+    train_data, eval_data = load_prompt_datasets(config.data, tokenizer)
+    data = eval_data if eval_data is not None else train_data
+    rewards = build_reward_pool(config.rewards)
+    try:
+        score = parts.reward_scorer(tokenizer, rewards, lambda samples: samples, model_config.num_experts)
+        rollouts = Rollouts(supervisor, iter(()), train_data, parts.sampling_rule(config, tokenizer), score,
+                            policy.groups.data_parallel, policy.groups.dp_size, policy.groups.dp_rank)
+        supervisor.sync_weights(0)
+        metrics, rows = parts.evaluate(rollouts, config, data, 0, tokenizer, rank == 0)
+    finally:
+        rewards.close()
+        supervisor.shutdown()
+    return metrics, rows, min(config.eval.num_prompts, len(data))
+
+
 def run_eval(args: argparse.Namespace) -> dict:
     from gspo_megatron import processes
     from gspo_megatron.megatron import parallel
     from gspo_megatron.trainer.launch_env import export_for_torch, resolve_launch
-    from gspo_megatron.trainer.loop import Trainer
 
     processes.kill_forked_children_with_parent()
     checkpoint_dir = Path(args.checkpoint)
@@ -94,16 +130,11 @@ def run_eval(args: argparse.Namespace) -> dict:
     launch = resolve_launch(os.environ)
     os.environ.update(export_for_torch(launch, os.environ))
     parallel.init_process_group(launch.rank, launch.world_size, launch.master_addr, launch.master_port)
-    with tempfile.TemporaryDirectory(prefix="gspo-eval-") as scratch:
-        trainer = Trainer(config, scratch, init_checkpoint=checkpoint_dir)
-        try:
-            results = trainer.evaluate()
-            rows = trainer.last_eval_rows
-        finally:
-            trainer.close()
-            parallel.destroy()
-    results = {"checkpoint": str(checkpoint_dir), "dataset": args.dataset, "num_prompts":
-               min(args.num_prompts, len(trainer.eval_data or trainer.train_data)), **results}
+    try:
+        results, rows, evaluated = evaluate_checkpoint(config, checkpoint_dir)
+    finally:
+        parallel.destroy()
+    results = {"checkpoint": str(checkpoint_dir), "dataset": args.dataset, "num_prompts": evaluated, **results}
     if launch.rank == 0:
         text = json.dumps(results, indent=2)
         print(text)

@@ -15,7 +15,6 @@ the rank: each response has its own seed from (train.seed, step, global prompt i
 """
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -27,12 +26,11 @@ from gspo_megatron.algorithms.advantages import group_advantages
 from gspo_megatron.algorithms.metrics import combine_minibatches
 from gspo_megatron.batching import TrainSequence, iter_minibatches, split_for_data_parallel
 from gspo_megatron.megatron import checkpoint as ckpt
-from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.parallel import initialize_model_parallel
-from gspo_megatron.megatron.policy_model import PolicyModel
 from gspo_megatron.megatron.routing import replay_for_step
 from gspo_megatron.rollout.agent_loop import tool_metrics
 from gspo_megatron.trainer import checkpointing, completions
+from gspo_megatron.trainer import components as parts
 from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
 from gspo_megatron.trainer.finite import check_advantages, check_some_update_applied
 from gspo_megatron.trainer.metrics_log import truncate_after
@@ -43,9 +41,7 @@ from gspo_megatron.trainer.run_dir import claim as claim_run_dir
 from gspo_megatron.trainer.run_dir import on_main_rank
 from gspo_megatron.trainer.schedule import build_driver
 from gspo_megatron.trainer.schedule.base import RolloutGroup, step_seed
-from gspo_megatron.trainer.schedule.overlap import trainer_threads
-from gspo_megatron.trainer.schedule.rollouts import Rollouts, SamplingRule, stop_token_ids
-from gspo_megatron.trainer.schedule.supervisor import EngineFactory, EngineSupervisor
+from gspo_megatron.trainer.schedule.rollouts import Rollouts
 from gspo_megatron.typed_config import to_dict
 
 
@@ -56,11 +52,8 @@ class Trainer:
                  init_checkpoint: str | Path | None = None):
         """resume: continue from the newest checkpoint in ``run_dir``; init_checkpoint: take the weights
         (only) of that checkpoint folder instead of the configured initialisation (``gspo-megatron eval``)."""
-        from transformers import AutoTokenizer
-
         from gspo_megatron.data.dataset import load_prompt_datasets
         from gspo_megatron.data.iterator import PromptIterator
-        from gspo_megatron.data.tokenizer import demo_tokenizer_path
         from gspo_megatron.rewards.pool import build_reward_pool
         from gspo_megatron.trainer.metrics_log import MetricsLogger
         from gspo_megatron.trainer.preemption import PreemptionFlag
@@ -74,27 +67,23 @@ class Trainer:
         self.run_lock = on_main_rank(lambda: claim_run_dir(self.run_dir, resume), self.is_main)
         initialize_model_parallel(config.parallel, seed=config.model.init_seed)
 
-        m = config.model
-        self.tokenizer = AutoTokenizer.from_pretrained(m.tokenizer_dir or m.hf_dir or demo_tokenizer_path())
-        self.model_config = ModelConfig.from_hf_dir(m.hf_dir) if m.hf_dir is not None else m.config
-        # log-probs of softmax(logits / T), the distribution the rollout samples from
-        self.policy = self._policy_model(frozen=False)
+        self.tokenizer = parts.load_tokenizer(config.model)
+        self.model_config = parts.model_config_of(config.model)
+        self.policy = parts.policy_model(config, self.model_config, frozen=False)
         self.dp_size, self.dp_rank = self.policy.groups.dp_size, self.policy.groups.dp_rank
         self.routing_hold = RoutingHold(self.dp_rank, self.dp_size, self.policy.groups.data_parallel)
         # a frozen copy of the initial weights; built only when the KL term is on
-        self.reference = self._policy_model(frozen=True) if config.loss.kl_coef > 0 else None
+        self.reference = parts.policy_model(config, self.model_config, frozen=True) if config.loss.kl_coef > 0 else None
         self.faults = {"skipped_updates": 0, "reward_failures": 0, "engine_restarts": 0}
-        self.supervisor = self._engine_supervisor()
+        self.supervisor = parts.engine_supervisor(config, self.model_config, self.tokenizer, self.policy, self.faults,
+                                                  self.rank)
         self.train_data, self.eval_data = load_prompt_datasets(config.data, self.tokenizer)
         self.prompts = PromptIterator(self.train_data, config.train.prompts_per_step, seed=config.data.seed,
                                       shuffle=config.data.shuffle)
         self.rewards = build_reward_pool(config.rewards, on_failures=self._count_reward_failures)
-        r = config.rollout
-        rule = SamplingRule(config.train.seed, r.samples_per_prompt, r.temperature, r.top_p, r.top_k, r.max_new_tokens,
-                            tuple(stop_token_ids(self.tokenizer, m.hf_dir)),
-                            routed_experts=config.train.routing_replay in ("r3", "auto"))
-        self.rollouts = Rollouts(self.supervisor, self.prompts, self.train_data, rule, self._score,
-                                 self.policy.groups.data_parallel, self.dp_size, self.dp_rank)
+        score = parts.reward_scorer(self.tokenizer, self.rewards, self.routing_hold.keep, self.model_config.num_experts)
+        self.rollouts = Rollouts(self.supervisor, self.prompts, self.train_data, parts.sampling_rule(config, self.tokenizer),
+                                 score, self.policy.groups.data_parallel, self.dp_size, self.dp_rank)
         self.driver = build_driver(config, self.rollouts, progress=self.is_main)
         self.supervisor.on_restart = self.driver.resubmit
         self.preemption = PreemptionFlag()
@@ -120,7 +109,7 @@ class Trainer:
             if self.reference is not None:
                 checkpointing.copy_weights(self.policy, self.reference)
         else:
-            checkpointing.initialise_weights(self.policy, self.model_config, m)
+            checkpointing.initialise_weights(self.policy, self.model_config, config.model)
             warm_from = 0
         if warm_from is not None:
             if warm_from < config.sft.steps:
@@ -140,46 +129,6 @@ class Trainer:
         if self.is_main:
             save_config(config, self.run_dir / "config.yaml")
 
-    # ---- set-up --------------------------------------------------------------------------------
-    def _policy_model(self, frozen: bool) -> PolicyModel:
-        cfg = self.config
-        return PolicyModel(self.model_config, cfg.parallel, cfg.optimizer, cfg.loss, frozen=frozen,
-                           max_tokens_per_microbatch=cfg.train.max_tokens_per_microbatch,
-                           temperature=cfg.rollout.temperature, runtime=cfg.model.runtime)
-
-    def _engine_supervisor(self) -> EngineSupervisor:
-        """The rollout engine's owner (trainer/schedule/supervisor.py): built here, restarted, synced."""
-        from gspo_megatron.rollout.weight_sync import DEFAULT_BUCKET_BYTES, sync_weights
-
-        cfg = self.config
-        overlap, sglang = cfg.train.rollout_mode == "overlap", cfg.rollout.engine == "sglang"
-        if overlap and not sglang:  # the engine process takes its own cores (rollout/process_engine.py)
-            torch.set_num_threads(trainer_threads(torch.get_num_threads(), cfg.rollout.engine_threads,
-                                                  cfg.train.trainer_threads))
-        shared = sglang and dist.get_world_size() > 1
-        share_report = None
-        if shared:
-            from gspo_megatron.trainer.rollout_setup import share_sync_report as share_report
-        # SGLang: one post per bucket of its bucket_bytes (docs/rollout.md, "Bucket size")
-        bucket = cfg.rollout.sglang.bucket_bytes if sglang else DEFAULT_BUCKET_BYTES
-        factory = EngineFactory(cfg, self.model_config, self._agent_spec(), overlap, dict(os.environ))
-        return EngineSupervisor(factory, lambda engine: sync_weights(self.policy.ddp, self.model_config, engine, bucket),
-                                self.faults, asynchronous=overlap, shared_servers=shared, share_report=share_report,
-                                rank=self.rank)
-
-    def _agent_spec(self):
-        """What the multi-turn agent loop needs besides the engine (``rollout.multi_turn``; None: single-turn)."""
-        import functools
-
-        from gspo_megatron.rewards.sandbox import python_tool
-        from gspo_megatron.rollout.agent_loop import AgentSpec
-
-        if self.config.rollout.multi_turn is None:
-            return None
-        return AgentSpec(self.config.rollout.multi_turn, self.tokenizer, self.config.data.chat_template,
-                         tuple(stop_token_ids(self.tokenizer, self.config.model.hf_dir)),
-                         run_python=functools.partial(python_tool, self.config.rewards.code.sandbox))
-
     @property
     def engine(self):
         """The rollout engine the schedule drives (owned by ``supervisor``)."""
@@ -187,24 +136,6 @@ class Trainer:
 
     def _count_reward_failures(self, n: int) -> None:
         self.faults["reward_failures"] += n
-
-    def _score(self, mine: list, samples: list, samples_per_prompt: int) -> tuple[list[RolloutGroup], dict[str, float]]:
-        """Step 2 on this rank: the rewards and verdicts of ``samples`` (prompt-major, ``samples_per_prompt``
-        per prompt of ``mine``); a multi-turn trajectory is scored on its final model turn (the answer)."""
-        from gspo_megatron.rollout.agent_loop import final_turn_ids
-        from gspo_megatron.rollout.base import compact_routed_experts
-
-        # R3 records stay on this rank until the step's shares are cut (routing_exchange.py), one byte per id
-        samples = self.routing_hold.keep(compact_routed_experts(samples, self.model_config.num_experts))
-        texts = [self.tokenizer.decode(final_turn_ids(s), skip_special_tokens=True) for s in samples]
-        scores = self.rewards.score_verdicts([(mine[i // samples_per_prompt], t) for i, t in enumerate(texts)]) \
-            if texts else None
-        rewards, correct = (scores.rewards, scores.correct) if scores is not None else ([], [])
-        groups = [RolloutGroup(prompt, samples[k * samples_per_prompt:(k + 1) * samples_per_prompt],
-                               rewards[k * samples_per_prompt:(k + 1) * samples_per_prompt],
-                               correct[k * samples_per_prompt:(k + 1) * samples_per_prompt])
-                  for k, prompt in enumerate(mine)]
-        return groups, scores.metrics if scores is not None else {}
 
     def warm_start(self, start: int = 0) -> None:
         """The supervised warm start from step ``start`` (trainer/warm_start.py). A signal stops it after any
@@ -368,25 +299,12 @@ class Trainer:
         return self.supervisor.sync_weights(updates)
 
     def evaluate(self, stoppable: bool = False) -> dict[str, float] | None:
-        """Greedy pass@1 (temperature 0: argmax decoding in both engines) and sampled pass@k on the held-out
-        prompts. ``stoppable``: None when a stop signal came before or between the two rollouts."""
-        if stoppable and self.preempted():
-            return None
-        cfg, max_new = self.config.eval, self.config.rollout.max_new_tokens
+        """pass@1 and pass@k on the held-out prompts (trainer/components.py); ``stoppable``: None when a stop
+        signal came before or between the two rollouts."""
         data = self.eval_data if self.eval_data is not None else self.train_data
-        prompts = list(data)[:cfg.num_prompts]
-        seed = step_seed(self.config.train.seed + 17, self.step, 0)  # the same on every rank
-        greedy, _ = self.rollouts.rollout(prompts, seed, 1, 0.0, max_new)  # temperature 0: greedy
-        out = {"eval_accuracy": _fraction([g.verdicts[0] for g in greedy])}
-        out.update({f"eval_{k}": v for k, v in tool_metrics([s for g in greedy for s in g.samples]).items()})
-        sampled = None
-        if cfg.pass_k > 1:
-            if stoppable and self.preempted():
-                return None
-            sampled, _ = self.rollouts.rollout(prompts, seed + 1, cfg.pass_k, cfg.temperature, max_new)
-            out[f"eval_pass@{cfg.pass_k}"] = _fraction([_any_correct(g.verdicts) for g in sampled])
-        self.last_eval_rows = completions.eval_rows(greedy, sampled, self.tokenizer) if self.is_main else []
-        return {k: v for k, v in out.items() if v is not None}  # None: no reward term judges correctness
+        metrics, self.last_eval_rows = parts.evaluate(self.rollouts, self.config, data, self.step, self.tokenizer,
+                                                      self.is_main, self.preempted if stoppable else lambda: False)
+        return metrics
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.run_dir / "checkpoints" / f"step_{step:06d}"
@@ -605,19 +523,7 @@ def _batch_metrics(batch, rewards: torch.Tensor, zero_variance: torch.Tensor) ->
     out = {**tool_metrics(samples),
            "reward_mean": float(rewards.mean()),
            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-           "accuracy": _fraction([ok for g in batch for ok in g.verdicts]),
+           "accuracy": parts.fraction([ok for g in batch for ok in g.verdicts]),
            "zero_variance_group_frac": float(zero_variance.float().mean()),
            "response_length_mean": float(lengths.mean())}
     return {k: v for k, v in out.items() if v is not None}
-
-
-def _fraction(correct: list[bool | None]) -> float | None:
-    """The fraction of correct responses; None when any is unjudged (no reward term judges correctness)."""
-    if any(ok is None for ok in correct):
-        return None
-    return sum(float(ok) for ok in correct) / max(len(correct), 1)
-
-
-def _any_correct(group: list[bool | None]) -> bool | None:
-    """pass@k of one prompt: any of its k responses correct (None when unjudged)."""
-    return None if any(ok is None for ok in group) else any(group)

@@ -28,7 +28,7 @@ def _signal_at(where: str) -> None:
     """Patch the model / trainer so that this process gets SIGTERM at ``where`` (rank 0 only: the trainer's
     collective check spreads the stop to every rank)."""
     from gspo_megatron.megatron.policy_model import PolicyModel
-    from gspo_megatron.trainer.loop import Trainer
+    from gspo_megatron.trainer.schedule.rollouts import Rollouts
 
     def after_call(cls, name, when):
         real, calls = getattr(cls, name), {"n": 0}
@@ -46,8 +46,16 @@ def _signal_at(where: str) -> None:
         after_call(PolicyModel, "sft_forward_backward", lambda self, n, a, k: n == 2)
     elif where == "mini-batch":  # after the first of step 1's two mini-batches
         after_call(PolicyModel, "train_minibatch", lambda self, n, a, k: n == 1)
-    elif where == "evaluation":  # after the greedy rollout of step 1's evaluation
-        after_call(Trainer, "rollout", lambda self, n, a, k: self.step == 1 and a[3] == 0.0)
+    elif where == "evaluation":  # after the greedy rollout of step 1's evaluation: this run resumes in step 1,
+        greedy = {"n": 0}            # so its first greedy rollout (the schedule's are sampled)
+
+        def second_greedy(self, n, a, k):
+            # rollout(prompts, seed, samples_per_prompt, temperature, ...): the schedule passes keywords
+            is_greedy = k.get("temperature", a[3] if len(a) > 3 else None) == 0.0
+            greedy["n"] += is_greedy
+            return is_greedy and greedy["n"] == 1
+
+        after_call(Rollouts, "rollout", second_greedy)
 
 
 def _train(rank, world_size, run_dir: str, where: str | None, resume: bool, mode: str = "sync") -> str:

@@ -259,7 +259,8 @@ def test_a_0_to_10_reward_does_not_report_wrong_answers_as_accurate(tmp_path, mo
     import torch
 
     from gspo_megatron.rollout.base import Sample
-    from gspo_megatron.trainer.loop import _any_correct, _batch_metrics, _fraction
+    from gspo_megatron.trainer.components import any_correct, fraction
+    from gspo_megatron.trainer.loop import _batch_metrics
     from gspo_megatron.trainer.schedule.base import RolloutGroup
 
     (tmp_path / "gspo_test_correct.py").write_text(CORRECTNESS)
@@ -276,8 +277,8 @@ def test_a_0_to_10_reward_does_not_report_wrong_answers_as_accurate(tmp_path, mo
         metrics = _batch_metrics(batch, torch.tensor(scores.rewards).view(2, 2), torch.zeros(2, dtype=torch.bool))
         assert metrics.get("accuracy") == accuracy and metrics["reward_mean"] == 5.0
         # Trainer.evaluate's two: greedy pass@1 (the first sample) and pass@k (any of the group)
-        assert _fraction([oks[0] for _, _, _, oks in batch]) == accuracy
-        assert _fraction([_any_correct(oks) for _, _, _, oks in batch]) == accuracy
+        assert fraction([g.verdicts[0] for g in batch]) == accuracy
+        assert fraction([any_correct(g.verdicts) for g in batch]) == accuracy
 
 
 @pytest.mark.parametrize("field, value", [("weight", ".nan"), ("weight", ".inf")])
