@@ -194,3 +194,11 @@ def test_the_checks_catch_what_the_first_day_found():
     assert _missing_paths("setup.py: see docs/installation-guide.md and `megatron/devices.py`") == [
         "docs/installation-guide.md", "megatron/devices.py"]
     assert _missing_paths("`make --out examples/data/new` writes examples/data/new/train.jsonl") == []
+
+
+def test_a_doc_shows_how_to_open_tensorboard():
+    """A user finds the ``tensorboard --logdir`` line, and it names the folder the metrics logger writes."""
+    from gspo_megatron.trainer.metrics_log import TENSORBOARD_DIR
+
+    shown = [d for page in PAGES for d in re.findall(r"tensorboard --logdir[ =](\S+)", _code(page))]
+    assert any(Path(d).name == TENSORBOARD_DIR for d in shown), shown
