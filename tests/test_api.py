@@ -186,3 +186,11 @@ def test_train_from_python_logs_what_the_command_line_logs(tmp_path):
     assert [r["step"] for r in cli] == [0, 1, 2] and "reward/sorted_digits/mean" in cli[1], cli
     assert python == cli
     assert (tmp_path / "api_run" / "checkpoints" / "step_000002").is_dir()
+
+
+def test_a_datasets_dataset_gives_the_same_rows(tmp_path):
+    """A ``datasets.Dataset`` (when installed) is written as the same rows as the list it was made from."""
+    datasets = pytest.importorskip("datasets")
+    rows = _rows(SORT / "train.jsonl")[:5]
+    _, run_dir = api.prepare_run(_demo_tree(), train_data=datasets.Dataset.from_list(rows), run_dir=tmp_path / "run")
+    assert _rows(run_dir / "inputs" / "train.jsonl") == rows
