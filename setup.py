@@ -1,13 +1,18 @@
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 setup(
     name="gspo-megatron",
     version="0.1.0",
     description="GSPO reinforcement learning for Mixture-of-Experts LLMs on Megatron-Core",
     python_requires=">=3.11",
-    packages=find_packages(include=["gspo_megatron", "gspo_megatron.*"]),
-    include_package_data=True,
-    package_data={"gspo_megatron": ["assets/*", "assets/**/*"]},
+    # the asset folders (data, no __init__.py) are namespace packages: declared, so setuptools neither warns that
+    # they "would be ignored" nor leaves them out; their files are the package data below
+    packages=find_namespace_packages(include=["gspo_megatron", "gspo_megatron.*"]),
+    package_data={
+        "gspo_megatron.assets.tokenizer": ["*.json", "*.jinja"],
+        "gspo_megatron.assets.tool_tokenizer": ["*.json", "*.jinja"],
+        "gspo_megatron.assets.sglang_cpu": ["*.c"],
+    },
     install_requires=[
         # GPU users install their CUDA build of torch first; pip keeps it when it satisfies this pin's range.
         "torch>=2.6",

@@ -93,3 +93,29 @@ def test_install_shows_progress():
     ours = [line for line in installs if line not in sglang]
     assert len(ours) == 3 and all("--progress-bar on" in line for line in ours), ours
     assert script.count("setup_env: [") == 3
+
+
+def _torchrun_banner(env: dict) -> bool:
+    """Whether torchrun (the real one, two workers running ``true``) prints its OMP_NUM_THREADS banner."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "--no-python", "true"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return "Setting OMP_NUM_THREADS" in done.stderr
+
+
+def test_train_nproc_sets_the_ranks_threads_so_torchrun_prints_no_banner():
+    """`train --nproc N` starts torchrun with OMP_NUM_THREADS set (the cores per rank, as each CPU rank uses), so
+    torchrun's "Setting OMP_NUM_THREADS ... to be 1" banner is not printed; a value the user set is kept."""
+    import os
+
+    from gspo_megatron.trainer.entry import torchrun_environment
+
+    bare = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    assert _torchrun_banner(bare)  # what the ranks got before: torchrun's default and its banner
+    env = torchrun_environment(bare, 2)
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+    assert not _torchrun_banner(env)
+    assert torchrun_environment({**bare, "OMP_NUM_THREADS": "3"}, 2)["OMP_NUM_THREADS"] == "3"

@@ -5,6 +5,7 @@ they are)."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -194,3 +195,88 @@ def test_the_checks_catch_what_the_first_day_found():
     assert _missing_paths("setup.py: see docs/installation-guide.md and `megatron/devices.py`") == [
         "docs/installation-guide.md", "megatron/devices.py"]
     assert _missing_paths("`make --out examples/data/new` writes examples/data/new/train.jsonl") == []
+
+
+def test_a_doc_shows_how_to_open_tensorboard():
+    """A user finds the ``tensorboard --logdir`` line, and it names the folder the metrics logger writes."""
+    from gspo_megatron.trainer.metrics_log import TENSORBOARD_DIR
+
+    shown = [d for page in PAGES for d in re.findall(r"tensorboard --logdir[ =](\S+)", _code(page))]
+    assert any(Path(d).name == TENSORBOARD_DIR for d in shown), shown
+
+
+# ---- the docs read as a manual: each measured figure has one generated home, and no page carries history ----
+
+def _script(path: Path):
+    """A tool script (not a package module) loaded by path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _between(text: str, begin: str, end: str) -> str:
+    assert text.count(begin) == 1 and text.count(end) == 1, f"needs exactly one {begin} ... {end}"
+    return begin + text.split(begin)[1].split(end)[0] + end
+
+
+def _demo_home():
+    demo = _script(REPO / "tools" / "cpu_demo_results.py")
+    data = json.loads(demo.RESULTS.read_text())
+    return demo.doc_block(demo.DOC.read_text()), demo.render(data), [demo.FIGURE]
+
+
+def _gspo_vs_grpo_home():
+    driver = _script(REPO / "examples" / "experiments" / "gspo_vs_grpo.py")
+    data = json.loads(driver.RESULTS.read_text())
+    expected = driver.doc_block(data, driver.summarise(data), "figures/gspo_vs_grpo")
+    return (_between(driver.DOC.read_text(), driver.BEGIN, driver.END), expected,
+            [driver.FIGURES / f"{name}.png" for name in driver.FIGURE_NAMES])
+
+
+def _batch_filling_home():
+    bench = _script(REPO / "benchmarks" / "bench_batch_filling.py")
+    block = _between((REPO / "docs" / "training.md").read_text(), "<!-- batch_filling:begin -->",
+                     "<!-- batch_filling:end -->")
+    table = bench.report(json.loads(bench.RESULTS.read_text()))
+    # the block holds the generated table among its prose: compare the table's lines
+    shown = "\n".join(line for line in block.splitlines() if line.startswith("|"))
+    return shown, table, [REPO / "docs" / "figures" / "batch_filling.png"]
+
+
+ONE_HOMES = {"cpu_demo (docs/quickstart.md)": _demo_home, "gspo_vs_grpo (docs/training.md)": _gspo_vs_grpo_home,
+             "batch_filling (docs/training.md)": _batch_filling_home}
+
+
+@pytest.mark.parametrize("name", list(ONE_HOMES))
+def test_one_home_figures_equal_their_results_file(name):
+    """A measured figure's home page shows what its script renders from the results file, not numbers typed by
+    hand (regenerate: the script's ``report``), and the charts it cites exist."""
+
+    shown, rendered, figures = ONE_HOMES[name]()
+    assert shown == rendered, f"{name}: the page's block differs from its results file; run the script's report"
+    assert all(f.is_file() for f in figures), figures
+
+
+def test_the_readme_links_to_the_demo_figures_rather_than_repeating_them():
+    readme = (REPO / "README.md").read_text()
+    assert "docs/quickstart.md, \"Measured\"" in readme
+    assert re.findall(r"\d\.\d{3} -> \d\.\d{3}", readme) == []
+
+
+# what a lab notebook says and a manual does not: history and the sessions that wrote it (CHANGELOG.md keeps it)
+HISTORY = re.compile(r"\b(used to|no longer|this session|another session|session's (changes|tests)|before this fix|"
+                     r"an earlier release|a day later|kept for the record)\b", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_user_docs_carry_no_session_history(page):
+    found = [f"{page.name}:{n}: {m.group(0)!r}" for n, line in enumerate(page.read_text().splitlines(), 1)
+             for m in [HISTORY.search(line)] if m]
+    assert found == [], "history belongs in CHANGELOG.md; the docs say what the code does now"
+
+
+def test_the_history_has_a_home():
+    assert (REPO / "CHANGELOG.md").is_file()

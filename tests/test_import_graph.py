@@ -3,7 +3,8 @@
 Layers (``X <- Y``: Y may import X): batching.py, typed_config.py, processes.py, reporting.py at the bottom
 <- algorithms (pure torch) and models (model families) <- megatron (the Megatron-Core seam) <- conversion
 (HF <-> Megatron tools built on the seam: offline DCP I/O, live export, the logits check) <- rollout,
-rewards, data <- trainer <- testing <- smoke <- cli. The one difference from the first design sketch
+rewards, data <- trainer <- testing <- smoke <- cli <- api (training from Python runs the command line's
+entry). The one difference from the first design sketch
 (``conversion <- megatron``) is deliberate: converting needs Megatron's models and sharding algebra, while
 the seam needs from conversion only the Transformer Engine names, which live in megatron/te_names.py. Two
 units of one layer are independent. Every import counts, also one inside a function (a lazy import is
@@ -31,6 +32,7 @@ LAYERS: dict[str, int] = {
     "testing": 6,  # helpers for tests and the smoke command (gloo process runner, canonical models)
     "smoke": 7,
     "cli": 8,
+    "api": 9,  # train() from Python: builds the command line's arguments and calls its entry
 }
 
 KNOWN_UPWARD: set[tuple[str, str]] = set()

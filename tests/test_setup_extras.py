@@ -69,3 +69,24 @@ def test_setup_env_installs_no_gpu_extra():
     script = (ROOT / "tools" / "setup_env.sh").read_text()
     assert 'megatron-core==${GSPO_MEGATRON_CORE:-0.19.2}' in script
     assert '-e ".[dev]"' in script and "[gpu]" not in script
+
+
+def test_building_the_package_declares_its_assets_without_setuptools_banners(tmp_path):
+    """What ``pip install`` runs (build_py) prints no "Package would be ignored" banner for the asset folders, and
+    the built package holds every asset file (the demo tokenizers, the CPU SGLang stand-in's source)."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "gspo_megatron", src / "gspo_megatron", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "setup.py", src / "setup.py")
+    proc = subprocess.run([sys.executable, "setup.py", "build_py", "--build-lib", str(tmp_path / "lib")], cwd=src,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    assert "would be ignored" not in output and "Warning" not in output, output[-3000:]
+    assets = ROOT / "gspo_megatron" / "assets"
+    wanted = sorted(p.relative_to(assets) for p in assets.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    built = tmp_path / "lib" / "gspo_megatron" / "assets"
+    assert wanted and sorted(p.relative_to(built) for p in built.rglob("*") if p.is_file()) == wanted

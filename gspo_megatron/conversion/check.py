@@ -80,11 +80,13 @@ def model_config_for_check(hf_dir: Path, megatron_dir: Path) -> ModelConfig:
 
 
 def compare_layouts(rank: int, world_size: int, hf_dir: str, megatron_dir: str, layouts: dict[str, ParallelConfig],
-                    seq_len: int = 16, seed: int = 0) -> dict[str, float | None]:
+                    seq_len: int = 16, seed: int = 0, reference: torch.Tensor | None = None) -> dict[str, float | None]:
     """Per layout, max |Megatron - transformers| logits on this rank (None off the last stage).
 
     Runs on every rank of a ``run_distributed`` spawn (or in one process); Megatron's groups are rebuilt
-    for each layout so one spawn serves many layouts.
+    for each layout so one spawn serves many layouts. ``reference``: the transformers logits of
+    ``check_tokens(config, seq_len=seq_len, seed=seed)`` computed once by the caller; None: this rank computes
+    them (loading the HF model itself).
     """
     from gspo_megatron.megatron import checkpoint
     from gspo_megatron.megatron.model import build_model
@@ -92,7 +94,8 @@ def compare_layouts(rank: int, world_size: int, hf_dir: str, megatron_dir: str, 
 
     config = model_config_for_check(Path(hf_dir), Path(megatron_dir))
     tokens = check_tokens(config, seq_len=seq_len, seed=seed)
-    reference = hf_logits(hf_dir, tokens)
+    if reference is None:
+        reference = hf_logits(hf_dir, tokens)
     diffs: dict[str, float | None] = {}
     for name, layout in layouts.items():
         initialize_model_parallel(layout)
@@ -115,7 +118,9 @@ def run_check(hf_dir: str | Path, megatron_dir: str | Path, tensor_parallel: int
     layout = ParallelConfig(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                             expert_parallel=expert_parallel)
     world = tensor_parallel * pipeline_parallel * expert_parallel
-    args = (str(hf_dir), str(megatron_dir), {"layout": layout}, seq_len, seed)
+    # the transformers logits once, here: not one HF model (and one "Loading weights" bar) per rank
+    reference = hf_logits(hf_dir, check_tokens(config, seq_len=seq_len, seed=seed))
+    args = (str(hf_dir), str(megatron_dir), {"layout": layout}, seq_len, seed, reference)
     if world == 1:
         with single_process_megatron():
             results = [compare_layouts(0, 1, *args)]

@@ -379,6 +379,16 @@ def cuda_available() -> bool:
     return cuda_present()
 
 
+def _quiet_cuda_only_advice() -> None:
+    """Megatron's tensor-parallel linear warns that CUDA_DEVICE_MAX_CONNECTIONS should be 1 when it is unset
+    (0.16.1 tensor_parallel/layers.py ``linear_with_grad_accumulation_and_async_allreduce``): the number of CUDA
+    hardware queues, which orders TP communication with compute on a GPU. A CPU run has none, so the advice is
+    noise here; on a GPU (where this is never called) it stays, and the sbatch examples set the variable."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS.*", category=UserWarning)
+
+
 def activate() -> bool:
     """Apply the CPU patches of the installed version once per process when CUDA is absent.
 
@@ -386,6 +396,7 @@ def activate() -> bool:
     """
     if cuda_available():
         return False
+    _quiet_cuda_only_advice()
     if _state["active"]:
         return True
     version = _check_version()

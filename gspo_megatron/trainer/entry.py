@@ -38,7 +38,16 @@ def _relaunch_with_torchrun(argv: list[str], nproc: int) -> int:
     args = [a for i, a in enumerate(argv) if not (a.startswith("--nproc") or (i and argv[i - 1] == "--nproc"))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "gspo_megatron.cli", *args]
-    return run_forwarding_signals(cmd, env={**os.environ, DIE_WITH_PARENT_ENV: "1"}, to_ranks=True)
+    return run_forwarding_signals(cmd, env={**torchrun_environment(os.environ, nproc), DIE_WITH_PARENT_ENV: "1"},
+                                  to_ranks=True)
+
+
+def torchrun_environment(environ: dict[str, str], nproc: int) -> dict[str, str]:
+    """``environ`` for our torchrun of ``nproc`` ranks, with ``OMP_NUM_THREADS`` set: the user's value, else the
+    machine's cores shared among the ranks (what each CPU rank gives torch in ``run_training``). Set, it also
+    keeps torchrun from printing its "Setting OMP_NUM_THREADS ... to be 1" banner."""
+    threads = environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
+    return {**environ, "OMP_NUM_THREADS": threads}
 
 
 def run_training(args: argparse.Namespace, argv: list[str]) -> int:

@@ -22,20 +22,26 @@ METRICS_FILE = "metrics.jsonl"
 # steps precede RL step 1 and RL's steps must stay one increasing sequence in every sink (TensorBoard, W&B)
 SFT_METRICS_FILE = "sft_metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+# the warm start's loss in TensorBoard: its own run (a subfolder), x axis = sft step, so it never mixes with RL's steps
+TENSORBOARD_WARM_START_DIR = "warm_start"
 WANDB_ID_FILE = "wandb_run_id.txt"
 
-# what the console table shows, in order, when present; everything still goes to the file and the sinks
+# what the console table shows, in order, when present; everything still goes to the file and the sinks. The labels
+# are short so the table fits an 80-column terminal (CONSOLE_LEGEND spells them out).
 CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
     ("reward_mean", "reward"),
-    ("accuracy", "accuracy"),
+    ("accuracy", "acc"),
     ("eval_accuracy", "eval acc"),
     ("clip_frac_seq", "clip seq"),
     ("clip_frac_token", "clip tok"),
-    ("routing_drift", "routing drift"),
+    ("routing_drift", "drift"),
     ("logprob_gap_mean", "logp gap"),
-    ("grad_norm", "grad norm"),
+    ("grad_norm", "gnorm"),
     ("time_step_s", "step s"),
 )
+# the order in which columns are left out when the terminal is too narrow for all of them (least telling first)
+CONSOLE_DROP_ORDER: tuple[str, ...] = ("clip_frac_token", "logprob_gap_mean", "grad_norm", "routing_drift",
+                                       "clip_frac_seq", "time_step_s", "eval_accuracy")
 
 
 class MetricsFileError(ValueError):
@@ -167,6 +173,7 @@ class MetricsLogger:
             # events past the last kept jsonl step come from the run before the resume: drop them
             purge = 0 if resumed_at is None else resumed_at + 1
             self._tb = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=purge)
+            warm_start_to_tensorboard(self.run_dir)
         if wandb_project is not None:
             self._wandb_run = _start_wandb(self.run_dir, wandb_project, wandb_run_name)
         if console:
@@ -222,6 +229,30 @@ class MetricsLogger:
         self.close()
 
 
+def warm_start_to_tensorboard(run_dir: Path) -> int:
+    """Writes ``run_dir/sft_metrics.jsonl`` (the warm start, which ends before the RL logger starts) to TensorBoard's
+    ``tensorboard/warm_start`` run; returns the number of records written (0 without a warm start).
+
+    The whole file is written each time: its events start with a purge of every earlier one (``purge_step=0``), so
+    after a resume TensorBoard shows exactly the file's steps, as metrics.jsonl and TensorBoard agree for RL.
+    """
+    from torch.utils.tensorboard import SummaryWriter
+
+    path = metrics_path(run_dir, SFT_METRICS_FILE)
+    records = read_metrics(path) if path.is_file() else []
+    if not records:
+        return 0
+    writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR / TENSORBOARD_WARM_START_DIR), purge_step=0)
+    try:
+        for record in records:
+            for key, value in record.items():
+                if key != "step":
+                    writer.add_scalar(key, value, global_step=record["step"])
+    finally:
+        writer.close()
+    return len(records)
+
+
 def _start_wandb(run_dir: Path, project: str, name: str | None):
     """A W&B run that a resume continues: its id is kept in ``run_dir/wandb_run_id.txt``."""
     try:
@@ -237,24 +268,66 @@ def _start_wandb(run_dir: Path, project: str, name: str | None):
     return wandb.init(project=project, name=name or run_dir.name, id=run_id, resume="allow", dir=str(run_dir))
 
 # printed once above the console display: what the short column names and ``value@N`` mean
-CONSOLE_LEGEND = ("columns: reward / accuracy = the step's rollouts (accuracy: reward >= 1); eval acc = held-out greedy "
-                  "accuracy; clip seq / clip tok = fraction of sequences / tokens clipped; routing drift = fraction of "
-                  "activated experts one update changed; logp gap = mean |trainer - engine| log-prob of the sampled "
-                  "tokens; step s = seconds per step; 'v@N' = the value from step N (eval runs every eval.every_steps). "
+CONSOLE_LEGEND = ("columns: reward / acc = the step's rollouts (acc: reward >= 1); eval acc = held-out greedy "
+                  "accuracy; clip seq / clip tok = fraction of sequences / tokens clipped; drift = routing drift, the "
+                  "fraction of activated experts one update changed; logp gap = mean |trainer - engine| log-prob of "
+                  "the sampled tokens; gnorm = gradient norm; step s = seconds per step; 'v@N' = the value from step N "
+                  "(eval runs every eval.every_steps); a terminal too narrow for every column leaves some out. "
                   "All metrics: RUN_DIR/metrics.jsonl (docs/training.md)")
+
+# the widest number ``_format`` writes: 4 significant digits where they fit in 7 characters, else 3 (a minus sign
+# may add one)
+_NUMBER_WIDTH = 7
 
 
 def _format(value: float) -> str:
-    return f"{value:.4g}"
+    """``value`` in at most 8 characters: ``0.8125``, ``1.11e-5``, ``1.235e4``, ``-0.00123``."""
+    text = _compact_exponent(f"{value:.4g}")
+    if len(text.lstrip("-")) > _NUMBER_WIDTH:
+        text = _compact_exponent(f"{value:.3g}")
+    return text
+
+
+def _compact_exponent(text: str) -> str:
+    """``1.11e-05`` -> ``1.11e-5``, ``1.23e+04`` -> ``1.23e4``: Python's exponent padding costs two columns."""
+    mantissa, e, exponent = text.partition("e")
+    if not e:
+        return text
+    sign = "-" if exponent.startswith("-") else ""
+    return f"{mantissa}e{sign}{exponent.lstrip('+-').lstrip('0') or '0'}"
+
+
+def fit_columns(cells: list[tuple[str, str, str]], width: int, gap: int = 2) -> list[tuple[str, str, str]]:
+    """The ``(key, header, value)`` cells that fit side by side in ``width`` characters, in their given order.
+
+    A column is as wide as its header or its value, whichever is longer, and ``gap`` characters separate two
+    columns (rich's Table with ``pad_edge=False``: one space of padding each side of an inner edge). While the row
+    is too wide, the column of the key earliest in ``CONSOLE_DROP_ORDER`` is left out, so no cell is cut short.
+    """
+    kept = list(cells)
+    droppable = [key for key in CONSOLE_DROP_ORDER if any(key == c[0] for c in kept)]
+
+    def row_width(row):
+        return sum(max(len(h), len(v)) for _, h, v in row) + gap * max(len(row) - 1, 0)
+
+    while kept and row_width(kept) > width:
+        if droppable:
+            key = droppable.pop(0)
+            kept = [c for c in kept if c[0] != key]
+        else:  # only undroppable columns left: keep the leftmost that fit
+            kept = kept[:-1]
+    return kept
 
 
 class _ConsoleDisplay:
-    """rich display: a live progress bar + key-metric table on a terminal, a plain line per step otherwise."""
+    """rich display: a live progress bar + key-metric table on a terminal, a plain line per step otherwise.
 
-    def __init__(self, total_steps: int | None):
+    ``console``: where to print (default: a rich Console on stdout, as wide as the terminal)."""
+
+    def __init__(self, total_steps: int | None, console=None):
         from rich.console import Console
 
-        self.console = Console()
+        self.console = console if console is not None else Console()
         self.total_steps = total_steps
         self.latest: dict[str, tuple[int, float]] = {}  # key -> (step, value); eval keys only come some steps
         self._live = None
@@ -293,10 +366,13 @@ class _ConsoleDisplay:
         from rich.console import Group
         from rich.table import Table
 
-        table = Table(box=None, pad_edge=False)
-        for _, label in CONSOLE_KEYS:
-            table.add_column(label, justify="right")
-        table.add_row(*(self._cell(key, self._step) for key, _ in CONSOLE_KEYS))
+        # the terminal's width now (a resized terminal re-fits on the next step)
+        cells = fit_columns([(key, label, self._cell(key, self._step)) for key, label in CONSOLE_KEYS],
+                            self.console.width)
+        table = Table(box=None, pad_edge=False, padding=(0, 1))
+        for _, label, _ in cells:
+            table.add_column(label, justify="right", no_wrap=True)
+        table.add_row(*(value for _, _, value in cells))
         return Group(self._progress, table)
 
     def _cell(self, key: str, now: int) -> str:
@@ -318,5 +394,5 @@ class _ConsoleDisplay:
             self._live = None
 
 
-__all__ = ["CONSOLE_KEYS", "CONSOLE_LEGEND", "METRICS_FILE", "MetricsFileError", "MetricsLogger", "last_step", "metrics_path",
-           "read_metrics", "truncate_after"]
+__all__ = ["CONSOLE_DROP_ORDER", "CONSOLE_KEYS", "CONSOLE_LEGEND", "METRICS_FILE", "MetricsFileError", "MetricsLogger", "fit_columns", "last_step", "metrics_path",
+           "read_metrics", "truncate_after", "warm_start_to_tensorboard"]

@@ -22,7 +22,8 @@ PLOTS_DIR = "plots"
 
 @dataclasses.dataclass(frozen=True)
 class MetricGroup:
-    """One figure: ``file`` name stem, axis ``title`` and y ``label``, the ``metrics`` drawn in it (``name*``:
+    """One figure: ``file`` name stem, axis ``title`` (``{k}`` in it: the suffixes the ``name*`` metrics matched,
+    such as the 4 of ``eval_pass@4``) and y ``label``, the ``metrics`` drawn in it (``name*``:
     every logged metric starting with ``name``, such as the run's ``eval_pass@k``); with a
     ``prefix`` (per-layer metrics such as ``routing_agreement/layer``), every logged metric named
     ``prefix<N>`` too, in layer order (``metrics_of``). ``source``: the run folder's file the metrics are
@@ -45,7 +46,7 @@ GROUPS: tuple[MetricGroup, ...] = (
                 ("routing_drift",)),
     MetricGroup("logprob_gap", "Train/rollout log-prob gap", "mean |gap|", ("logprob_gap_mean",)),
     MetricGroup("response_length", "Response length", "tokens (mean)", ("response_length_mean",)),
-    MetricGroup("pass_at_k", "Held-out pass@k", "fraction solved", ("eval_pass@*",)),  # * : the run's k
+    MetricGroup("pass_at_k", "Held-out pass@{k}", "fraction solved", ("eval_pass@*",)),  # * : the run's k
     MetricGroup("timings", "Time per step", "seconds", ("time_step_s", "time_rollout_s", "time_logprobs_s",
                                                          "time_update_s", "time_sync_s")),
     MetricGroup("routing_agreement", "Engine/trainer routing agreement (auto: R3 while replay active = 1)",
@@ -62,6 +63,47 @@ GROUPS: tuple[MetricGroup, ...] = (
 )
 
 Series = tuple[list[int], list[float]]
+
+# what a legend calls each metric (the raw keys are in metrics.jsonl and docs/training.md's table)
+METRIC_NAMES: dict[str, str] = {
+    "reward_mean": "mean reward",
+    "accuracy": "rollout accuracy",
+    "eval_accuracy": "held-out accuracy",
+    "clip_frac_seq": "sequences clipped",
+    "clip_frac_token": "tokens clipped",
+    "routing_drift": "routing drift",
+    "logprob_gap_mean": "mean log-prob gap",
+    "response_length_mean": "mean response length",
+    "time_step_s": "whole step",
+    "time_rollout_s": "rollout",
+    "time_logprobs_s": "log-probs",
+    "time_update_s": "update",
+    "time_sync_s": "weight sync",
+    "routing_agreement": "routing agreement",
+    "routing_replay_active": "replay active",
+    "rollout_seq_mask_frac": "sequences masked (rollout correction)",
+    "opsm_mask_frac": "masked by OPSM",
+    "icepop_mask_frac": "masked by IcePop",
+    "clip_frac_dual_token": "tokens dual-clipped",
+    "cispo_clip_frac": "tokens capped by CISPO",
+    "tool_use_frac": "rollouts",
+    "eval_tool_use_frac": "held-out",
+    "sft_loss": "warm-start loss",
+}
+# metric-name prefixes and what a legend calls the rest of the key: eval_pass@4 -> pass@4, .../layer3 -> layer 3
+_PREFIX_NAMES: tuple[tuple[str, str], ...] = (("eval_pass@", "pass@"), ("routing_agreement/layer", "layer "),
+                                              ("routing_drift/layer", "layer "))
+
+
+def metric_name(metric: str) -> str:
+    """The readable name a legend gives ``metric`` (``clip_frac_seq`` -> ``sequences clipped``); a key this module
+    does not know keeps its words (``_`` -> space)."""
+    if metric in METRIC_NAMES:
+        return METRIC_NAMES[metric]
+    for prefix, name in _PREFIX_NAMES:
+        if metric.startswith(prefix):
+            return name + metric[len(prefix):]
+    return metric.replace("_", " ")
 
 
 @dataclasses.dataclass
@@ -133,7 +175,8 @@ def _draw_panel(ax, group: MetricGroup, runs: list[Run]) -> bool:
     metrics = metrics_of(group, runs)
     present = [m for m in metrics if any(series(r.records_of(group), m)[0] for r in runs)]
     absent = [m for m in metrics if m not in present]
-    title = group.title if not absent else f"{group.title} (absent: {', '.join(absent)})"
+    title = group.title.format(k=", ".join(_wildcard_suffixes(group, present or metrics)))
+    title = title if not absent else f"{title} (absent: {', '.join(metric_name(m) for m in absent)})"
     ax.set_title(title, fontsize=9)
     if not present:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
@@ -142,12 +185,16 @@ def _draw_panel(ax, group: MetricGroup, runs: list[Run]) -> bool:
         return False
     styles = ["-", "--", ":", "-."]
     for run_index, run in enumerate(runs):
-        color = f"C{run_index % 10}"
         for metric_index, metric in enumerate(present):
             steps, values = series(run.records_of(group), metric)
             if not steps:
                 continue
-            label = run.label if len(present) == 1 else f"{run.label}: {metric}"
+            # one run: a colour per metric; several: a colour per run; the dash always tells the metrics apart
+            color = f"C{(metric_index if len(runs) == 1 else run_index) % 10}"
+            if len(present) == 1:
+                label = run.label
+            else:
+                label = metric_name(metric) if len(runs) == 1 else f"{run.label}: {metric_name(metric)}"
             ax.plot(steps, values, linestyle=styles[metric_index % len(styles)], color=color, label=label,
                     marker="." if len(steps) <= 50 else None)
     ax.set_xlabel(group.xlabel)
@@ -156,6 +203,12 @@ def _draw_panel(ax, group: MetricGroup, runs: list[Run]) -> bool:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     return True
+
+
+def _wildcard_suffixes(group: MetricGroup, metrics: list[str]) -> list[str]:
+    """What the group's ``name*`` metrics matched after ``name`` (``["4"]`` for ``eval_pass@4``)."""
+    stems = [m[:-1] for m in group.metrics if m.endswith("*")]
+    return [m[len(stem):] for m in metrics for stem in stems if m.startswith(stem)]
 
 
 def _save(fig, path: Path) -> Path:
@@ -222,4 +275,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["GROUPS", "MetricGroup", "build_parser", "load_run", "main", "plot_runs", "series"]
+__all__ = ["GROUPS", "METRIC_NAMES", "MetricGroup", "build_parser", "load_run", "main", "metric_name", "plot_runs",
+           "series"]

@@ -23,6 +23,8 @@ from pathlib import Path
 from gspo_megatron.processes import pid_running, process_identity
 
 LOCK_NAME = ".lock"
+# what ``gspo_megatron.api.train`` writes before the run starts (its config and rows): a fresh run may hold it
+INPUTS_DIR = "inputs"
 
 
 class RunDirError(ValueError):
@@ -88,10 +90,10 @@ class RunDirLock:
 
 
 def check_fresh_start(run_dir: Path) -> None:
-    """A fresh run needs an empty (or missing) run directory; the lock file aside."""
+    """A fresh run needs an empty (or missing) run directory; the lock file and ``inputs/`` aside."""
     if not run_dir.is_dir():
         return
-    contents = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_NAME)
+    contents = sorted(p.name for p in run_dir.iterdir() if p.name not in (LOCK_NAME, INPUTS_DIR))
     if contents:
         shown = ", ".join(contents[:5]) + (f" (+{len(contents) - 5} more)" if len(contents) > 5 else "")
         raise RunDirError(f"{run_dir}: holds an earlier run ({shown}); pass --resume to continue it, or choose "
@@ -132,4 +134,4 @@ def on_main_rank(fn, is_main: bool):
     return result
 
 
-__all__ = ["LOCK_NAME", "RunDirError", "RunDirLock", "check_fresh_start", "claim", "on_main_rank"]
+__all__ = ["INPUTS_DIR", "LOCK_NAME", "RunDirError", "RunDirLock", "check_fresh_start", "claim", "on_main_rank"]

@@ -62,7 +62,7 @@ def test_the_demo_tokenizer_folder_is_the_data_layers(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_check_on_spawned_ranks_prints_none_of_the_known_harmless_warnings(folders):
+def test_check_on_spawned_ranks_prints_no_warning_and_one_loading_bar(folders):
     """`convert check --ep 2` runs on two spawned ranks, which do not inherit the command's warning filters:
     each rank imported Megatron and printed ~15 apex / Transformer Engine / deprecation warnings."""
     import os
@@ -79,3 +79,8 @@ def test_check_on_spawned_ranks_prints_none_of_the_known_harmless_warnings(folde
     assert done.returncode == 0, done.stderr
     assert "ep=2" in done.stdout and done.stdout.strip().endswith(": ok")
     assert "Warning" not in done.stderr, done.stderr
+    # the transformers reference is loaded once, in the command's process, not once per rank (its "Loading
+    # weights" bar printed once per rank, and each rank held a copy of the HF model)
+    import re
+
+    assert len(re.findall(r"Loading weights:\s+0%", done.stderr)) <= 1, done.stderr  # a bar starts at 0%

@@ -125,3 +125,25 @@ def test_sequence_parallel_norm_marks_its_weight():
     torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     with pytest.raises(ValueError, match="normalization='RMSNorm'"):
         SequenceParallelRMSNorm(SimpleNamespace(normalization="LayerNorm", sequence_parallel=False), 8)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU runtime is off on a GPU")
+def test_cuda_only_tuning_advice_is_not_printed_on_cpu():
+    """Megatron's tensor-parallel linear advises CUDA_DEVICE_MAX_CONNECTIONS=1 (a CUDA kernel-ordering setting);
+    on CPU it means nothing, so with the CPU runtime active it is not printed. Other warnings still are."""
+    proc = run_python("""
+        import warnings
+        import torch
+        import torch.distributed as dist
+        from gspo_megatron.megatron import cpu_runtime
+        assert cpu_runtime.activate()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce as linear
+        linear(torch.randn(2, 1, 4), torch.randn(3, 4), None, False, allreduce_dgrad=True, sequence_parallel=False,
+               tp_group=dist.group.WORLD)
+        warnings.warn("another warning")
+        dist.destroy_process_group()
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in proc.stderr
+    assert "another warning" in proc.stderr

@@ -50,3 +50,58 @@ def test_completions_are_logged_and_eval_writes_per_prompt_outputs(tmp_path):
     assert len(per_prompt) == 6 and all(len(r["samples"]) == len(r["sample_rewards"]) == 2 for r in per_prompt)
     assert sum(r["greedy_reward"] >= 1.0 for r in per_prompt) / 6 == pytest.approx(result["eval_accuracy"])
     assert sum(max(r["sample_rewards"]) >= 1.0 for r in per_prompt) / 6 == pytest.approx(result["eval_pass@2"])
+
+
+def _tool_trajectory():
+    """A multi-turn sample laid out as the agent loop lays one out (``trace_tokens``: a calculator call, the tool
+    turn, the answer) with the tool demo's tokenizer and chat template, and its prompt."""
+    from transformers import AutoTokenizer
+
+    from gspo_megatron.data.dataset import PromptSample
+    from gspo_megatron.data.tool_traces import calculator_only_trace
+    from gspo_megatron.rollout.agent_loop import ToolTurnRenderer, trace_tokens
+    from gspo_megatron.rollout.base import Sample
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "gspo_megatron" / "assets" / "tool_tokenizer")
+    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "2+2="}], tokenize=True,
+                                               add_generation_prompt=True, return_dict=False)
+    prompt = PromptSample(index=0, prompt_ids=list(prompt_ids), prompt_text="", prompt="2+2=", messages=None,
+                          answer="4", tests=None, meta=None, source="test:1")
+    renderer = ToolTurnRenderer(tokenizer, None, max_tool_output_tokens=16)
+    ids, mask = trace_tokens(renderer, calculator_only_trace(prompt), tokenizer.eos_token_id)
+    sample = Sample(prompt_index=0, response_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop",
+                    response_mask=mask)
+    return tokenizer, prompt, sample
+
+
+def test_a_multi_turn_sample_keeps_its_turns_in_the_row_and_on_the_console():
+    """The tool call, the tool's answer and the final answer stay apart: ``turns`` lists them by role, the
+    response keeps the call and response tags, and the console and TensorBoard lines mark each turn."""
+    from gspo_megatron.trainer.completions import as_text, completion_rows, console_line, eval_rows
+
+    tokenizer, prompt, sample = _tool_trajectory()
+    [row] = completion_rows([(prompt, [sample], [1.0], [True])], tokenizer, n=1, step=3)
+    roles = [t["role"] for t in row["turns"]]
+    assert roles == ["assistant", "tool", "assistant"]
+    call, answer, final = (t["text"] for t in row["turns"])
+    assert call.startswith('<tool_call>{"name":"calculator","arguments":{"expression":"2+2"}}</tool_call>')
+    assert "<tool_response>\n4\n</tool_response>" in answer
+    assert final.startswith("4")
+    assert row["response"] == call + answer + final
+    line = console_line(row)
+    assert f"[assistant] {call!r} [tool] {answer!r} [assistant] {final!r}" in line and "reward 1" in line
+    assert "</tool_call>" in as_text([row]) and "**tool**" in as_text([row])
+    [evaluated] = eval_rows([(prompt, [sample], [1.0], [True])], None, tokenizer)
+    assert evaluated["greedy_turns"] == row["turns"]
+
+
+def test_a_single_turn_row_is_unchanged():
+
+    from gspo_megatron.trainer.completions import completion_rows, console_line
+
+    tokenizer, prompt, sample = _tool_trajectory()
+    single = type(sample)(prompt_index=0, response_ids=sample.response_ids[-2:], logprobs=[0.0, 0.0],
+                          finish_reason="stop")
+    [row] = completion_rows([(prompt, [single], [1.0], [True])], tokenizer, n=1, step=3)
+    assert "turns" not in row and row["response"] == "4"
+    assert console_line(row) == f"step 3 sample: {row['prompt']!r} -> '4' (answer '4', reward 1)"

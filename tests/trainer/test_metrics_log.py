@@ -120,3 +120,96 @@ def test_wandb_missing_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
     with pytest.raises(ImportError, match="logging.wandb_project is set but wandb is not installed: pip install wandb"):
         MetricsLogger(tmp_path, enabled=True, tensorboard=False, wandb_project="p", console=False)
+
+
+# the widest values a step logs: negative, tiny and large numbers, and an eval value from an earlier step
+_WIDE_STEP = {"reward_mean": -0.123456789, "accuracy": 0.123456789, "clip_frac_seq": 1.1072345e-05,
+              "clip_frac_token": -1.1072345e-05, "routing_drift": 0.00123456, "logprob_gap_mean": 1.107234e-05,
+              "grad_norm": 123456.789, "time_step_s": 1234.5678}
+
+
+def _live_display(width: int, steps: int = 1234):
+    """A terminal display as the trainer drives it, on a ``width``-column console that records what it prints."""
+    import io
+
+    from rich.console import Console
+
+    from gspo_megatron.trainer.metrics_log import _ConsoleDisplay
+
+    console = Console(width=width, file=io.StringIO(), force_terminal=True, record=True, color_system=None)
+    display = _ConsoleDisplay(total_steps=steps, console=console)
+    display.update(steps - 10, {"eval_accuracy": 0.123456789, **_WIDE_STEP})
+    display.update(steps - 1, _WIDE_STEP)
+    return display, console
+
+
+def _render(renderable, width: int) -> str:
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=width, file=io.StringIO(), color_system=None)
+    console.print(renderable)
+    return console.file.getvalue()
+
+
+@pytest.mark.parametrize("width", [80, 60])
+def test_console_table_fits_the_terminal_without_cut_cells(width):
+    """At 80 columns (and narrower) no header or value is ellipsised or wrapped: columns that do not fit are left
+    out, the most important (reward, accuracy) kept."""
+    from gspo_megatron.trainer.metrics_log import CONSOLE_KEYS, _format
+
+    display, console = _live_display(width)
+    text = _render(display._renderable(), width)
+    display.close()
+    assert "…" not in text and "…" not in console.export_text(), text
+    header, row = text.splitlines()[-2:]  # the progress bar, then one header line and one value line
+    assert max(len(line) for line in text.splitlines()) <= width
+    labels = dict(CONSOLE_KEYS)
+    assert header.split()[:2] == [labels["reward_mean"], labels["accuracy"]]
+    assert row.split()[:2] == [_format(_WIDE_STEP["reward_mean"]), _format(_WIDE_STEP["accuracy"])]
+
+
+def test_console_table_shows_every_column_when_wide():
+    from gspo_megatron.trainer.metrics_log import CONSOLE_KEYS, _format
+
+    display, _ = _live_display(160)
+    text = _render(display._renderable(), 160)
+    display.close()
+    header, row = text.splitlines()[-2:]
+    assert "…" not in text
+    for _, label in CONSOLE_KEYS:
+        assert label in header
+    assert f"{_format(0.123456789)}@1224" in row.split()
+
+
+@pytest.mark.parametrize("value", [-0.123456789, 1.1072345e-05, -1.1072345e-05, 123456.789, 0.0, 1.0, -1234.5678,
+                                   0.000123456, 1e300])
+def test_compact_number_format_is_short_and_close(value):
+    from gspo_megatron.trainer.metrics_log import _format
+
+    text = _format(value)
+    assert len(text) <= 8, text
+    assert float(text) == pytest.approx(value, rel=5e-3)
+
+
+def test_tensorboard_gets_the_warm_start_loss_as_its_own_run(tmp_path):
+    """sft_metrics.jsonl's loss reaches TensorBoard under RUN_DIR/tensorboard/warm_start (its own run, so its sft
+    steps never mix with RL's); a resume whose warm start kept fewer steps shows only those."""
+    from gspo_megatron.trainer.metrics_log import SFT_METRICS_FILE, append_record
+
+    for step in range(1, 6):
+        append_record(tmp_path / SFT_METRICS_FILE, step, {"sft_loss": 3.0 / step})
+    with MetricsLogger(tmp_path, enabled=True, tensorboard=True, console=False) as logger:
+        logger.log(1, {"reward_mean": 0.5})
+    assert _tb_scalars(tmp_path / "tensorboard" / "warm_start") == {
+        "sft_loss": [(s, pytest.approx(3.0 / s)) for s in range(1, 6)]}
+    assert "sft_loss" not in _tb_scalars(tmp_path / "tensorboard")
+
+    truncate_after(tmp_path, 0)
+    truncate_after(tmp_path, 3, SFT_METRICS_FILE)  # a resume inside the warm start, which then ran 2 new steps
+    append_record(tmp_path / SFT_METRICS_FILE, 4, {"sft_loss": 7.0})
+    with MetricsLogger(tmp_path, enabled=True, tensorboard=True, console=False):
+        pass
+    assert _tb_scalars(tmp_path / "tensorboard" / "warm_start") == {
+        "sft_loss": [(1, 3.0), (2, 1.5), (3, 1.0), (4, 7.0)]}

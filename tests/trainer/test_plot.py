@@ -103,7 +103,7 @@ def test_length_pass_at_k_and_timing_charts_with_integer_step_ticks(tmp_path):
     runs = [plot.Run("run", plot.load_run(run))]
     ax = Figure().add_subplot(1, 1, 1)
     group = next(g for g in plot.GROUPS if g.file == "pass_at_k")
-    assert plot._draw_panel(ax, group, runs) and ax.get_title() == "Held-out pass@k"
+    assert plot._draw_panel(ax, group, runs) and ax.get_title() == "Held-out pass@4"
     assert isinstance(ax.xaxis.get_major_locator(), MaxNLocator)
     assert all(float(t).is_integer() for t in ax.get_xticks())
     drift = Figure().add_subplot(1, 1, 1)
@@ -143,3 +143,46 @@ def test_warm_start_loss_gets_its_chart_by_sft_step(tmp_path):
     assert plot.series(run.records_of(group), "sft_loss") == (list(range(1, 41)), [3.0 / s for s in range(1, 41)])
     assert plot.series(run.records, "sft_loss") == ([], [])  # RL steps hold no warm-start loss
     assert "warm_start_loss.png" not in [p.name for p in plot.plot_runs([b])]
+
+
+def _panel(tmp_path, file: str, records: list[dict], runs: int = 1):
+    """The axes of group ``file`` drawn for ``runs`` runs holding ``records`` (each run's copy under its name)."""
+    from matplotlib.figure import Figure
+
+    group = next(g for g in plot.GROUPS if g.file == file)
+    ax = Figure().add_subplot(1, 1, 1)
+    assert plot._draw_panel(ax, group, [plot.Run(f"run{i}", records) for i in range(runs)])
+    return ax
+
+
+def test_single_run_series_differ_in_colour_and_dash(tmp_path):
+    """One run's timings: every series its own colour and its own dash, so two solid lines never look alike."""
+    from matplotlib.colors import to_hex
+
+    records = [{"step": s, "time_step_s": 1.0, "time_rollout_s": 0.5, "time_logprobs_s": 0.2, "time_update_s": 0.2,
+                "time_sync_s": 0.1} for s in range(3)]
+    lines = _panel(tmp_path, "timings", records).get_lines()
+    assert len(lines) == 5
+    assert len({to_hex(line.get_color()) for line in lines}) == 5
+    assert len({str(line.get_linestyle()) for line in lines}) >= 4  # matplotlib has four named dash styles
+
+
+def test_pass_at_k_title_says_k_and_legends_show_readable_names(tmp_path):
+    records = [{"step": s, "eval_pass@4": 0.1 * s, "clip_frac_seq": 0.1, "clip_frac_token": 0.01,
+                "routing_agreement/layer0": 0.9, "routing_agreement/layer12": 0.8} for s in range(3)]
+    assert _panel(tmp_path, "pass_at_k", records).get_title() == "Held-out pass@4"
+    legend = [t.get_text() for t in _panel(tmp_path, "clip_fraction", records).get_legend().get_texts()]
+    assert legend == ["sequences clipped", "tokens clipped"]
+    two_runs = [t.get_text() for t in _panel(tmp_path, "clip_fraction", records, runs=2).get_legend().get_texts()]
+    assert two_runs == ["run0: sequences clipped", "run0: tokens clipped", "run1: sequences clipped",
+                        "run1: tokens clipped"]
+    layers = [t.get_text() for t in _panel(tmp_path, "routing_agreement_layers", records).get_legend().get_texts()]
+    assert layers == ["layer 0", "layer 12"]
+
+
+def test_every_plotted_metric_has_a_readable_name():
+    """No legend shows a raw key: each group's metrics has a name without underscores."""
+    for group in plot.GROUPS:
+        for metric in group.metrics:
+            name = plot.metric_name(metric.rstrip("*") + ("4" if metric.endswith("*") else ""))
+            assert name != metric and "_" not in name, (group.file, metric, name)
