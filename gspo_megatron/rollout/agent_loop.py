@@ -42,6 +42,7 @@ from gspo_megatron.typed_config import check
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 STAT_KEYS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_truncated", "turn_limit")
 _MARK = "\x00ASSISTANT\x00"
+MAX_TOOL_TIMEOUT_S = 3600
 
 
 @dataclasses.dataclass
@@ -73,7 +74,10 @@ class MultiTurnConfig:
         check(self.max_turns >= 1, f"{path}.max_turns", "must be >= 1")
         check(self.max_tool_output_tokens >= 1, f"{path}.max_tool_output_tokens", "must be >= 1")
         check(self.max_trajectory_tokens >= 2, f"{path}.max_trajectory_tokens", "must be >= 2")
-        check(self.tool_timeout_s > 0, f"{path}.tool_timeout_s", "must be > 0")
+        # an hour bounds what one call can hold up its whole rollout batch (and keeps deadlines finite)
+        check(0 < self.tool_timeout_s <= MAX_TOOL_TIMEOUT_S, f"{path}.tool_timeout_s",
+              f"must be in (0, {MAX_TOOL_TIMEOUT_S}] seconds (a call holds up its whole rollout batch), "
+              f"got {self.tool_timeout_s:g}")
         check(self.max_tool_calls_per_turn >= 1, f"{path}.max_tool_calls_per_turn", "must be >= 1")
 
 

@@ -184,7 +184,7 @@ def test_config_fields_and_unsupported_combinations_are_refused_by_name():
         load_config(DEMO, [*on, "train.rollout_mode=overlap", "train.max_staleness=1"])
     assert load_config(DEMO, [*on, "train.rollout_mode=overlap", "train.max_staleness=2"]).train.max_staleness == 2
     for field, value in (("rollout.filter_groups", "zero_variance"), ("train.routing_replay", "r3")):
-        with pytest.raises(ConfigError, match="^" + re.escape(field) + r": rollout\.partial is not built for"):
+        with pytest.raises(ConfigError, match="^" + re.escape(field) + r": must be .* with rollout\.partial: true \("):
             load_config(DEMO, [*on, f"{field}={value}"])
 
 
