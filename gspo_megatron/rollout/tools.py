@@ -3,7 +3,8 @@
 Three kinds, each ``tool(arguments: dict) -> str``:
 
   calculator   ``{"expression": "12*(3+4)"}``: integer/float arithmetic with + - * / // % and parentheses,
-               parsed with ``ast`` (no names, no calls, no powers: nothing can run long or grow huge);
+               parsed with ``ast`` (no names, no calls, no powers: nothing can run long or grow huge; a
+               literal or result that is not finite or beyond 1e30 is an error);
                runs in the calling process.
   python       ``{"code": "print(6*7)"}``: the program runs in the rewards sandbox with the code reward's
                isolation and limits (``rewards.code.sandbox``); the trainer hands the registry that runner
@@ -27,6 +28,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import math
 import operator
 import os
 import select
@@ -82,9 +84,19 @@ _MAX_CALCULATOR_CHARS = 200
 _MAX_MAGNITUDE = 10**30
 
 
+def _bounded(value: int | float) -> int | float:
+    """``value`` if it is finite and within ``_MAX_MAGNITUDE``; literals and results alike (``1e309`` is inf,
+    ``inf - inf`` is nan, a 199-digit literal is no result the model should learn to read)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ToolError("not a finite number")
+    if abs(value) > _MAX_MAGNITUDE:
+        raise ToolError("number too large")
+    return value
+
+
 def _calc(node: ast.AST) -> int | float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return _bounded(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         value = _calc(node.operand)
         return -value if isinstance(node.op, ast.USub) else value
@@ -92,10 +104,7 @@ def _calc(node: ast.AST) -> int | float:
         left, right = _calc(node.left), _calc(node.right)
         if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
             raise ToolError("division by zero")
-        value = _BINARY[type(node.op)](left, right)
-        if abs(value) > _MAX_MAGNITUDE:
-            raise ToolError("result too large")
-        return value
+        return _bounded(_BINARY[type(node.op)](left, right))
     raise ToolError(f"unsupported expression element {type(node).__name__}")
 
 

@@ -447,3 +447,10 @@ def test_a_tool_module_beside_the_config_is_found_by_the_tool_worker(tmp_path):
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "ToolResult(text='5', error=False, timed_out=False, truncated=False)"
+
+
+@pytest.mark.parametrize("expression", ["1e309", "1e309-1e309", "9" * 199, "-" + "9" * 31, "1e300*1e300"])
+def test_a_calculator_value_beyond_its_bound_is_a_counted_error(expression):
+    """Literals and results alike: inf, nan and a 199-digit literal are errors, not values the model reads."""
+    result = ToolRegistry([ToolConfig("calculator")]).call("calculator", {"expression": expression})
+    assert result.error and result.text in ("error: number too large", "error: not a finite number"), result.text
