@@ -454,3 +454,19 @@ def test_a_calculator_value_beyond_its_bound_is_a_counted_error(expression):
     """Literals and results alike: inf, nan and a 199-digit literal are errors, not values the model reads."""
     result = ToolRegistry([ToolConfig("calculator")]).call("calculator", {"expression": expression})
     assert result.error and result.text in ("error: number too large", "error: not a finite number"), result.text
+
+
+@pytest.mark.parametrize("code, error, truncated", [
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", "error: killed by SIGSEGV", False),
+    ("while True:\n    print('x' * 1000)", "error: the output passed 65536 bytes: cut there, and the program stopped",
+     True),
+])
+def test_a_python_tool_call_killed_by_a_signal_or_its_output_limit_says_which(code, error, truncated):
+    """A segfault or an output flood used to answer ``error: exit code None``."""
+    from gspo_megatron.rewards.sandbox import python_tool
+    from tests.rewards.helpers import fast_sandbox
+
+    registry = ToolRegistry([ToolConfig("python")], run_python=functools.partial(python_tool, fast_sandbox()))
+    result = registry.call("python", {"code": code})
+    assert result.error and result.text.startswith(error) and result.truncated == truncated, result.text[:200]
+    assert len(result.text) <= registry.max_output_chars
