@@ -42,6 +42,8 @@ from gspo_megatron.typed_config import check
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 STAT_KEYS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_truncated", "turn_limit")
 _MARK = "\x00ASSISTANT\x00"
+_SLOT = "\x00TOOL{}\x00"  # where the template puts tool message k's content (tokenised apart, as data)
+_SLOTS = re.compile("\x00TOOL([0-9]+)\x00")
 MAX_TOOL_TIMEOUT_S = 3600
 
 
@@ -143,25 +145,39 @@ class ToolTurnRenderer:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                                   chat_template=self.chat_template)
 
+    def _data_ids(self, text: str) -> list[int]:
+        """Token ids of a tool's text as data: a control token spelled in it (``<|im_end|>``) is tokenised as
+        its characters, never as the control token (a tool's answer is no more trusted than a data row)."""
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
     def bound(self, text: str) -> tuple[str, bool]:
         """``text`` cut to ``max_tool_output_tokens`` tokens; and whether it was cut."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self._data_ids(text)
         if len(ids) <= self.max_tool_output_tokens:
             return text, False
-        return self.tokenizer.decode(ids[:self.max_tool_output_tokens]), True
+        return self.tokenizer.decode(ids[:self.max_tool_output_tokens], skip_special_tokens=False), True
 
     def render(self, results: list[str], stop_text: str) -> list[int]:
-        """``stop_text``: the text of the stop token that ended the model turn (already in the trajectory)."""
+        """``stop_text``: the text of the stop token that ended the model turn (already in the trajectory).
+        The template's own text is tokenised with its control tokens; each result on its own, as data."""
         base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
         before = self._render(base, False)
-        after = self._render(base + [{"role": "tool", "content": r} for r in results], True)
+        after = self._render(base + [{"role": "tool", "content": _SLOT.format(k)} for k in range(len(results))], True)
         if not after.startswith(before):
             raise ValueError("the chat template renders an assistant turn differently once tool messages follow "
                              "it; multi-turn rollouts need a template whose earlier turns do not change")
         closing = before[before.index(_MARK) + len(_MARK):]
         if stop_text and closing.startswith(stop_text):
             closing = closing[len(stop_text):]
-        return list(self.tokenizer(closing + after[len(before):], add_special_tokens=False)["input_ids"])
+        # pieces: template text, slot number, template text, ... (a slot per result, in order)
+        pieces = _SLOTS.split(closing + after[len(before):])
+        if pieces[1::2] != [str(k) for k in range(len(results))]:
+            raise ValueError("the chat template does not render each tool message's content once, in order")
+        ids = []
+        for k, piece in enumerate(pieces):
+            ids += self._data_ids(results[int(piece)]) if k % 2 else \
+                self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        return ids
 
 
 @dataclasses.dataclass
