@@ -80,6 +80,11 @@ class DequantizedFP8:
         s = torch.empty((s_end - s_first) * block_cols, dtype=torch.float32)
         read_exact(self._scale_fd, self.scale.path,
                    self.scale.offset + (matrix * block_rows + s_first) * block_cols * 4, s.view(torch.uint8))
+        if not torch.isfinite(s).all():  # it would dequantize into NaN / inf weights without a word
+            bad = int((~torch.isfinite(s)).nonzero()[0, 0])
+            at = [matrix, s_first + bad // block_cols, bad % block_cols][-len(self.scale.spec.shape):]
+            raise ConversionError(f"{self.scale.path}: {self.scale.spec.name}{at}: {float(s[bad])} is not finite "
+                                  f"(the weights would dequantize to NaN / inf)")
         return fp8.dequantize(q.view(fp8.FP8).reshape(rows, self.cols), s.reshape(s_end - s_first, block_cols),
                               self.block, self.dtype, first_row=first)
 
