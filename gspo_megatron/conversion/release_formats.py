@@ -80,11 +80,6 @@ class DequantizedFP8:
         s = torch.empty((s_end - s_first) * block_cols, dtype=torch.float32)
         read_exact(self._scale_fd, self.scale.path,
                    self.scale.offset + (matrix * block_rows + s_first) * block_cols * 4, s.view(torch.uint8))
-        if not torch.isfinite(s).all():  # it would dequantize into NaN / inf weights without a word
-            bad = int((~torch.isfinite(s)).nonzero()[0, 0])
-            at = [matrix, s_first + bad // block_cols, bad % block_cols][-len(self.scale.spec.shape):]
-            raise ConversionError(f"{self.scale.path}: {self.scale.spec.name}{at}: {float(s[bad])} is not finite "
-                                  f"(the weights would dequantize to NaN / inf)")
         return fp8.dequantize(q.view(fp8.FP8).reshape(rows, self.cols), s.reshape(s_end - s_first, block_cols),
                               self.block, self.dtype, first_row=first)
 
@@ -98,6 +93,18 @@ class DequantizedFP8:
         for window in self._windows(offset, nbytes):
             out += self._dequantized(*window).reshape(-1).view(torch.uint8).numpy().tobytes()
         return out
+
+
+def check_finite_scales(scale: StoredTensor, fd: int) -> None:
+    """A NaN or inf block scale is refused naming the tensor and the block, before anything is written (it
+    would dequantize into NaN / inf weights without a word). Scales are 1/(b0*b1) of the weights' count."""
+    values = torch.empty(scale.spec.shape, dtype=torch.float32)
+    read_exact(fd, scale.path, scale.offset, values.view(-1).view(torch.uint8))
+    finite = torch.isfinite(values)
+    if not finite.all():
+        at = [int(i) for i in (~finite).nonzero()[0]]
+        raise ConversionError(f"{scale.path}: {scale.spec.name}{at}: {float(values[tuple(at)])} is not finite "
+                              f"(the weights would dequantize to NaN / inf)")
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -179,6 +186,7 @@ class ReleaseView:
                 raise ConversionError(f"{scale.path}: {scale.spec.name}: {list(scale.spec.shape)} {scale.spec.dtype}, "
                                       f"expected {list(expected)} torch.float32 for {name} "
                                       f"{list(stored.spec.shape)} in {block[0]}x{block[1]} blocks")
+            check_finite_scales(scale, hf.fds[scale.path])
             spec = TensorSpec(name, stored.spec.shape, dtype)
             computed = DequantizedFP8(stored, scale, hf.fds, block, dtype)
             out[name] = LogicalTensor(spec, stored.path, Piece(computed, 0, spec.nbytes, str(stored.path)), name,
