@@ -209,23 +209,28 @@ def test_a_config_json_symlink_loop_is_reported_as_a_loop(converted, tmp_path, c
 
 
 @pytest.mark.timeout(120)
-def test_megatron_to_hf_refuses_config_counts_beyond_the_checkpoint_before_allocating(converted, tmp_path, capsys):
+@pytest.mark.parametrize("key, hf_key, value, named", [
+    ("num_layers", "num_hidden_layers", 1_000_000_000, "num_layers=1000000000 but the checkpoint holds 2 layers"),
+    ("num_experts", "num_experts", 1_000_000, "num_experts=1000000 but the checkpoint's routers score [4] experts")])
+def test_megatron_to_hf_refuses_config_counts_beyond_the_checkpoint_before_allocating(converted, tmp_path, capsys, key,
+                                                                                    hf_key, value, named):
     """model_config.json and the hf/ template both claiming 1e9 layers (they must agree) are checked against the
-    checkpoint's tensors before the table or the layout is built, like hf-to-megatron's count check."""
+    checkpoint's tensors before the table or the layout is built, like hf-to-megatron's count check (the
+    layer count used to grow memory without bound)."""
     import json
     import resource
 
     _, _, meg = converted
     shutil.copytree(meg, tmp_path / "meg")
-    for name, key in (("model_config.json", "num_layers"), ("hf/config.json", "num_hidden_layers")):
+    for name, field in (("model_config.json", key), ("hf/config.json", hf_key)):
         config = json.loads((tmp_path / "meg" / name).read_text())
-        (tmp_path / "meg" / name).write_text(json.dumps({**config, key: 1_000_000_000}))
+        (tmp_path / "meg" / name).write_text(json.dumps({**config, field: value}))
     meta = json.loads((tmp_path / "meg" / "gspo_meta.json").read_text())
-    meta["model_config"]["num_layers"] = 1_000_000_000
+    meta["model_config"][key] = value
     (tmp_path / "meg" / "gspo_meta.json").write_text(json.dumps(meta))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     code = cli.main(["megatron-to-hf", "--megatron-dir", str(tmp_path / "meg"), "--out", str(tmp_path / "out"),
                      "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "num_layers=1000000000 but the checkpoint holds 2 layers" in err[0], err
+    assert code == 2 and len(err) == 1 and named in err[0], err
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: nothing was built
