@@ -59,6 +59,8 @@ class MultiTurnConfig:
         bounds each model turn.
     tool_timeout_s: per call of a user tool or the python tool (the sandbox's case limit).
     max_tool_calls_per_turn: more calls in one turn are answered with an error, not run.
+    max_print_bytes: what the user tools may print (their worker's stdout and stderr) per rollout, all
+        together; the rest is cut and one log line says how much (gspo_megatron/print_cap.py).
     """
 
     tools: list[ToolConfig] = dataclasses.field(default_factory=lambda: [ToolConfig("calculator")])
@@ -67,6 +69,7 @@ class MultiTurnConfig:
     max_trajectory_tokens: int = 256
     tool_timeout_s: float = 5.0
     max_tool_calls_per_turn: int = 4
+    max_print_bytes: int = 65536
 
     def validate(self, path: str) -> None:
         check(len(self.tools) > 0, f"{path}.tools", "needs at least one tool")
@@ -81,6 +84,7 @@ class MultiTurnConfig:
               f"must be in (0, {MAX_TOOL_TIMEOUT_S}] seconds (a call holds up its whole rollout batch), "
               f"got {self.tool_timeout_s:g}")
         check(self.max_tool_calls_per_turn >= 1, f"{path}.max_tool_calls_per_turn", "must be >= 1")
+        check(self.max_print_bytes >= 0, f"{path}.max_print_bytes", f"must be >= 0, got {self.max_print_bytes}")
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -210,7 +214,8 @@ class AgentLoop(RolloutEngine):
         self.engine = engine
         self.config = config
         self.tokenizer = tokenizer
-        self.tools = ToolRegistry(config.tools, timeout_s=config.tool_timeout_s, run_python=run_python)
+        self.tools = ToolRegistry(config.tools, timeout_s=config.tool_timeout_s, run_python=run_python,
+                                  max_print_bytes=config.max_print_bytes)
         self.renderer = ToolTurnRenderer(tokenizer, chat_template, config.max_tool_output_tokens)
         self.stop_token_ids = list(stop_token_ids)
         self.releases_memory = engine.releases_memory
@@ -243,6 +248,7 @@ class AgentLoop(RolloutEngine):
             stats = {key: int(t.stats[key]) for key in STAT_KEYS}
             samples.append(Sample(prompt_index=k // G, response_ids=t.response, logprobs=t.logprobs,
                                   finish_reason=t.finish_reason, response_mask=t.mask, tool_stats=stats))
+        self.tools.end_print_window()
         return samples
 
     def _continue(self, active: list[_Trajectory], params: SamplingParams, seed: int,

@@ -493,3 +493,26 @@ def test_tool_output_holding_chat_control_tokens_is_tokenised_as_text():
     ids, mask = trace_tokens(renderer, [{"role": "assistant", "content": "x"}, {"role": "tool", "content": hostile},
                                         {"role": "assistant", "content": "5"}], tok.eos_token_id)
     assert [i for i, m in zip(ids, mask) if not m and i in controls] == [i for i in plain if i in controls]
+
+
+def test_what_a_user_tool_prints_is_capped_per_rollout_with_a_marker():
+    """The tool worker's stdout and stderr reach the log up to ``max_print_bytes`` per rollout (the agent loop
+    ends a window after each ``generate``), then one line says how much was cut."""
+    import subprocess
+    import sys
+
+    script = ("from gspo_megatron.rollout.tools import ToolConfig, ToolRegistry\n"
+              "registry = ToolRegistry([ToolConfig('tests.rollout.tool_fixtures:loud')], timeout_s=60, "
+              "max_print_bytes=10000)\n"
+              "for _ in range(2):\n"
+              "    assert [registry.call('loud', {}).text for _ in range(4)] == ['done'] * 4\n"
+              "    print('cut', registry.end_print_window(), flush=True)\n"
+              "registry.close()\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cuts = [int(line.split()[1]) for line in proc.stdout.decode().splitlines() if line.startswith("cut ")]
+    assert cuts == [4 * (8 << 20) + 8 - 10000] * 2, cuts
+    assert len(proc.stderr) < 2 * (10000 + 200), len(proc.stderr)
+    assert proc.stderr.count(f"[{cuts[0]} more bytes of the tools' output cut (rollout.multi_turn.max_print_bytes="
+                             f"10000)]".encode()) == 2
