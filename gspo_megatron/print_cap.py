@@ -9,8 +9,8 @@ in-process reward's ``print``) reach the log up to a byte cap per window, the re
 
 A window is what the owner calls a unit (the reward pool: one scored batch; the tool registry: one rollout).
 Child processes write into one pipe that a reader thread drains at once, so a flood never blocks the child
-on a full pipe; what goes over the cap is read and dropped. Bytes still in the pipe when a window ends count
-towards the next. ``capturing`` swaps ``sys.stdout`` / ``sys.stderr`` of this process, so it catches Python
+on a full pipe; what goes over the cap is read and dropped. ``end_window`` first waits (up to a second) for
+the pipe to empty, so what a child wrote before it answered counts in its own window. ``capturing`` swaps ``sys.stdout`` / ``sys.stderr`` of this process, so it catches Python
 ``print`` and writes, not output a C extension or a child writes to fd 1 or 2 directly (a reward that needs
 those bounded runs with workers).
 """
