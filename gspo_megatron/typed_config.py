@@ -63,6 +63,8 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
                 return _coerce(value, arg, path)
             except ConfigError as err:  # try the next member of the union; all failures are reported
                 errors.append(str(err))
+        if len(errors) == 1:  # ``X | None``: the member's own error already names its field
+            raise ConfigError(errors[0])
         fail(path, "; ".join(errors))
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):

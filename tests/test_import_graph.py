@@ -1,7 +1,7 @@
 """The package's import graph: no cycles between modules, and no module imports a layer above (or beside) it.
 
-Layers (``X <- Y``: Y may import X): batching.py, typed_config.py, processes.py, reporting.py at the bottom
-<- algorithms (pure torch) and models (model families) <- megatron (the Megatron-Core seam) <- conversion
+Layers (``X <- Y``: Y may import X): batching.py, typed_config.py, processes.py, reporting.py, print_cap.py at the
+bottom <- algorithms (pure torch) and models (model families) <- megatron (the Megatron-Core seam) <- conversion
 (HF <-> Megatron tools built on the seam: offline DCP I/O, live export, the logits check) <- rollout,
 rewards, data <- trainer <- testing <- smoke <- cli <- api (training from Python runs the command line's
 entry). The one difference from the first design sketch
@@ -23,7 +23,7 @@ PACKAGE = "gspo_megatron"
 
 # unit (a subpackage or top-level module of the package) -> layer; "" is the package's own __init__
 LAYERS: dict[str, int] = {
-    "": 0, "typed_config": 0, "batching": 0, "processes": 0, "reporting": 0,
+    "": 0, "typed_config": 0, "batching": 0, "processes": 0, "reporting": 0, "print_cap": 0,
     "algorithms": 1, "models": 1,
     "megatron": 2,
     "conversion": 3,

@@ -193,6 +193,29 @@ def check_counts_present(hf: ReleaseView, config: ModelConfig, hf_config: dict, 
                               f"experts per layer (experts.0 .. experts.{max(experts)})")
 
 
+_MEGATRON_LAYER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.")
+_MEGATRON_STACKED = re.compile(r"(?:^|\.)decoder\.layers\.[a-z_]")
+_MEGATRON_ROUTER = re.compile(r"(?:^|\.)decoder\.layers\.(?:\d+\.)?mlp\.router\.weight$")
+
+
+def check_checkpoint_counts(keys: dict[str, tuple[tuple[int, ...], torch.dtype]], config: ModelConfig,
+                            where: Path) -> None:
+    """The model config's layer and expert counts against a Megatron checkpoint's tensors (``keys``: name ->
+    (global shape, dtype)): layers from ``decoder.layers.N.`` keys or the leading dimension of stacked ones,
+    experts from the router's rows. The export twin of ``check_counts_present``: a count the checkpoint does
+    not hold is refused before anything is built per layer or per expert."""
+    per_layer = {int(m.group(1)) for key in keys if (m := _MEGATRON_LAYER.search(key))}
+    stacked = {shape[0] for key, (shape, _) in keys.items() if _MEGATRON_STACKED.search(key)}
+    layers = max(per_layer) + 1 if per_layer else max(stacked, default=None)
+    if layers is not None and config.num_layers != layers:
+        raise ConversionError(f"{where}: the model config's num_layers={config.num_layers} but the checkpoint holds "
+                              f"{layers} layers")
+    experts = {shape[-2] for key, (shape, _) in keys.items() if _MEGATRON_ROUTER.search(key)}
+    if experts and {config.num_experts} != experts:
+        raise ConversionError(f"{where}: the model config's num_experts={config.num_experts} but the checkpoint's "
+                              f"routers score {sorted(experts)} experts")
+
+
 def _hf_specs(entry: Entry, chunk: dcp_io.Chunk, dtype: torch.dtype) -> list[TensorSpec]:
     shapes = entry.transform.hf_shapes(chunk.shape)
     return [TensorSpec(name, tuple(shape), dtype) for name, shape in zip(entry.hf, shapes)]
@@ -502,9 +525,12 @@ def _megatron_to_hf(megatron_dir: Path, out: Path, template: Path | None, max_sh
     config, _ = export_config(megatron_dir, template)
     inputs = (megatron_dir,) + ((template,) if template else ())
     check_output(out, overwrite, inputs)
-    entries = expand(config)
     with dcp_io.CheckpointReader(megatron_dir) as probe:  # per-layer or stacked keys, as it was saved
-        per_layer = stored_layer_keying(probe.tensor_keys())
+        keys = probe.tensor_keys()
+    per_layer = stored_layer_keying(keys)
+    # from the checkpoint's metadata alone, before the table or the layout is built at the config's sizes
+    check_checkpoint_counts(keys, config, megatron_dir)
+    entries = expand(config)
     with dcp_io.single_process_megatron():
         layout = dcp_io.checkpoint_layout(config, per_layer=per_layer)
     _check_table_matches_model(entries, layout, config)

@@ -95,6 +95,18 @@ class DequantizedFP8:
         return out
 
 
+def check_finite_scales(scale: StoredTensor, fd: int) -> None:
+    """A NaN or inf block scale is refused naming the tensor and the block, before anything is written (it
+    would dequantize into NaN / inf weights without a word). Scales are 1/(b0*b1) of the weights' count."""
+    values = torch.empty(scale.spec.shape, dtype=torch.float32)
+    read_exact(fd, scale.path, scale.offset, values.view(-1).view(torch.uint8))
+    finite = torch.isfinite(values)
+    if not finite.all():
+        at = [int(i) for i in (~finite).nonzero()[0]]
+        raise ConversionError(f"{scale.path}: {scale.spec.name}{at}: {float(values[tuple(at)])} is not finite "
+                              f"(the weights would dequantize to NaN / inf)")
+
+
 def _pattern(template: str) -> re.Pattern:
     return re.compile("^" + re.escape(template).replace(re.escape("{layer}"), r"(?P<layer>\d+)") + "$")
 
@@ -174,6 +186,7 @@ class ReleaseView:
                 raise ConversionError(f"{scale.path}: {scale.spec.name}: {list(scale.spec.shape)} {scale.spec.dtype}, "
                                       f"expected {list(expected)} torch.float32 for {name} "
                                       f"{list(stored.spec.shape)} in {block[0]}x{block[1]} blocks")
+            check_finite_scales(scale, hf.fds[scale.path])
             spec = TensorSpec(name, stored.spec.shape, dtype)
             computed = DequantizedFP8(stored, scale, hf.fds, block, dtype)
             out[name] = LogicalTensor(spec, stored.path, Piece(computed, 0, spec.nbytes, str(stored.path)), name,

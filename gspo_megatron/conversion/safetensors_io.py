@@ -236,6 +236,16 @@ def read_exact(fd: int, path: Path, offset: int, out: torch.Tensor) -> None:
         done += n
 
 
+def check_index_files(weight_map: dict, index_path: Path) -> None:
+    """Each ``weight_map`` entry names a file of the index's own folder by its bare name: an entry such as
+    ``../x`` or ``/etc/x`` is refused by name before anything is opened (the converter reads only the model
+    folder, and an error quoting a foreign file's first bytes would leak them)."""
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or file in ("", ".", "..") or os.path.basename(file) != file:
+            raise ConversionError(f"{index_path}: weight_map[{str(name)[:200]!r}]: {str(file)[:200]!r} is not a file "
+                                  f"name inside {index_path.parent} (never opened)")
+
+
 class HFCheckpoint:
     """The tensors of a Hugging Face model folder (index + shards, or one model.safetensors), read lazily.
 
@@ -251,6 +261,7 @@ class HFCheckpoint:
             self.index = read_json(index_path)
             if not isinstance(self.index, dict) or not isinstance(self.index.get("weight_map"), dict):
                 raise ConversionError(f"{index_path}: weight_map: missing (expected an object of name -> file)")
+            check_index_files(self.index["weight_map"], index_path)
             files = sorted(set(self.index["weight_map"].values()))
             missing = [f for f in files if not (self.directory / f).is_file()]
             if missing:

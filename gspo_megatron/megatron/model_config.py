@@ -9,6 +9,7 @@ is an error that names the field.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -245,10 +246,15 @@ class ModelConfig:
     @classmethod
     def from_hf_dir(cls, hf_dir: str | Path) -> "ModelConfig":
         path = Path(hf_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"{path}: no config.json in the Hugging Face folder")
         try:
-            data = json.loads(path.read_text())
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no config.json in the Hugging Face folder") from None
+        except OSError as err:  # a folder, no permission, a symbolic link loop: say which, not "missing"
+            why = "a symbolic link loop" if err.errno == errno.ELOOP else err.strerror
+            raise ConfigError(f"{path}: cannot be read: {why}") from None
+        try:
+            data = json.loads(text)
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from None
         return cls.from_hf_dict(data, source=str(path))

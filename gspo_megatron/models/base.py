@@ -60,6 +60,23 @@ class HFReader:
             raise self.error(key, f"required field is missing for {self.model_type}")
         return default
 
+    def integer(self, key: str, default: Any = _REQUIRED) -> int:
+        """``key`` as an int: a JSON integer (``2``, or ``2.0``); ``"two"``, ``2.5`` or ``true`` is an error
+        naming the key (``int()`` raised a bare ValueError on the first and truncated the second)."""
+        value = self.get(key, default)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(key, f"expected an integer, got {value!r}")
+        return value
+
+    def number(self, key: str, default: Any = _REQUIRED) -> float:
+        """``key`` as a float (a JSON number, not a string or a boolean), else an error naming the key."""
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.error(key, f"expected a number, got {value!r}")
+        return float(value)
+
     def error(self, key: str, message: str) -> ConfigError:
         return ConfigError(f"{self.source}: {key}: {message}")
 
@@ -110,8 +127,8 @@ class Family:
         act = reader.get("hidden_act", "silu")
         if act != "silu":
             raise reader.error("hidden_act", f"unsupported activation {act!r} (SwiGLU models use 'silu')")
-        heads = int(reader.get("num_attention_heads"))
-        hidden = int(reader.get("hidden_size"))
+        heads = reader.integer("num_attention_heads")
+        hidden = reader.integer("hidden_size")
         rope_theta, llama3_factor = read_rope(reader, self.rope_types)
         rotary_percent = read_partial_rotary(reader)
         if rotary_percent != 1.0 and not self.partial_rotary:
@@ -119,19 +136,19 @@ class Family:
                                f"{self.model_type}, got {rotary_percent}")
         kwargs: dict[str, Any] = dict(
             architecture=self.model_type,
-            vocab_size=int(reader.get("vocab_size")),
+            vocab_size=reader.integer("vocab_size"),
             hidden_size=hidden,
-            num_layers=int(reader.get("num_hidden_layers")),
+            num_layers=reader.integer("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(reader.get("num_key_value_heads", heads)),
-            head_dim=int(reader.get("head_dim", hidden // heads)),
-            rms_norm_eps=float(reader.get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=reader.integer("num_key_value_heads", heads),
+            head_dim=reader.integer("head_dim", hidden // heads),
+            rms_norm_eps=reader.number("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_llama3_factor=llama3_factor,
             rotary_percent=rotary_percent,
-            max_position_embeddings=int(reader.get("max_position_embeddings", 4096)),
+            max_position_embeddings=reader.integer("max_position_embeddings", 4096),
             tie_word_embeddings=bool(reader.get("tie_word_embeddings", False)),
-            init_method_std=float(reader.get("initializer_range", 0.02)),
+            init_method_std=reader.number("initializer_range", 0.02),
             qkv_bias=self.qkv_bias,
             qk_layernorm=self.qk_layernorm,
         )
@@ -197,22 +214,22 @@ def read_partial_rotary(reader: HFReader) -> float:
 
 def dense_fields(reader: HFReader) -> dict[str, Any]:
     """A dense SwiGLU MLP in every layer."""
-    return dict(num_experts=0, ffn_hidden_size=int(reader.get("intermediate_size")))
+    return dict(num_experts=0, ffn_hidden_size=reader.integer("intermediate_size"))
 
 
 def sigmoid_moe_fields(reader: HFReader) -> dict[str, Any]:
     """The DeepSeek-V3-style MoE of GLM-4.5 and DeepSeek-V3: ``first_k_dense_replace`` dense layers, then
     MoE layers with a sigmoid router, its selection-only expert bias (frozen during RL), renormalised top-k
     weights scaled by ``routed_scaling_factor``, and ``n_shared_experts`` shared experts."""
-    moe_ffn = int(reader.get("moe_intermediate_size"))
+    moe_ffn = reader.integer("moe_intermediate_size")
     if not reader.get("norm_topk_prob", True):
         raise reader.error("norm_topk_prob", "must be true: Megatron renormalises the sigmoid router's top-k")
-    return dict(num_experts=int(reader.get("n_routed_experts")), moe_router_topk=int(reader.get("num_experts_per_tok")),
-                moe_ffn_hidden_size=moe_ffn, ffn_hidden_size=int(reader.get("intermediate_size")),
-                moe_shared_expert_intermediate_size=int(reader.get("n_shared_experts", 0)) * moe_ffn,
-                first_dense_layers=int(reader.get("first_k_dense_replace", 0)), norm_topk_prob=True,
+    return dict(num_experts=reader.integer("n_routed_experts"), moe_router_topk=reader.integer("num_experts_per_tok"),
+                moe_ffn_hidden_size=moe_ffn, ffn_hidden_size=reader.integer("intermediate_size"),
+                moe_shared_expert_intermediate_size=reader.integer("n_shared_experts", 0) * moe_ffn,
+                first_dense_layers=reader.integer("first_k_dense_replace", 0), norm_topk_prob=True,
                 moe_router_score_function="sigmoid", moe_router_expert_bias=True,
-                moe_router_topk_scaling_factor=float(reader.get("routed_scaling_factor", 1.0)))
+                moe_router_topk_scaling_factor=reader.number("routed_scaling_factor", 1.0))
 
 
 def sigmoid_moe_hf(config, model_type: str) -> dict[str, Any]:

@@ -43,23 +43,23 @@ def read_hf(reader: HFReader) -> dict[str, Any]:
     if not reader.get("rope_interleave", True):
         raise reader.error("rope_interleave", "must be true (DeepSeek's interleaved rope layout, which "
                            "Megatron's multi-latent attention assumes)")
-    groups, chosen = int(reader.get("n_group", 1)), int(reader.get("topk_group", 1))
-    top_k = int(reader.get("num_experts_per_tok"))
+    groups, chosen = reader.integer("n_group", 1), reader.integer("topk_group", 1)
+    top_k = reader.integer("num_experts_per_tok")
     if chosen < groups and top_k != 2 * chosen:
         raise reader.error("topk_group", f"group-limited routing with num_experts_per_tok={top_k} != 2 x topk_group="
                            f"{chosen} is not supported: transformers ranks groups by the sum of their top 2 scores, "
                            "Megatron by their top num_experts_per_tok / topk_group (equal only at 2)")
-    if int(reader.get("n_shared_experts", 1)) < 1:  # transformers would build a zero-width shared expert
+    if reader.integer("n_shared_experts", 1) < 1:  # transformers would build a zero-width shared expert
         raise reader.error("n_shared_experts", f"must be >= 1, got {reader.get('n_shared_experts')}")
-    heads = int(reader.get("num_attention_heads"))
-    if int(reader.get("num_key_value_heads", heads)) != heads:
+    heads = reader.integer("num_attention_heads")
+    if reader.integer("num_key_value_heads", heads) != heads:
         raise reader.error("num_key_value_heads", f"must equal num_attention_heads={heads} (multi-latent "
                            "attention has no key/value groups)")
-    rope, nope = int(reader.get("qk_rope_head_dim")), int(reader.get("qk_nope_head_dim"))
+    rope, nope = reader.integer("qk_rope_head_dim"), reader.integer("qk_nope_head_dim")
     return dict(sigmoid_moe_fields(reader), **read_yarn(reader), moe_router_num_groups=groups, moe_router_group_topk=chosen,
                 num_key_value_heads=heads, head_dim=nope + rope, qk_rope_head_dim=rope,
-                q_lora_rank=int(reader.get("q_lora_rank", 0)), kv_lora_rank=int(reader.get("kv_lora_rank")),
-                v_head_dim=int(reader.get("v_head_dim")), qkv_bias=False, qk_layernorm=True)
+                q_lora_rank=reader.integer("q_lora_rank", 0), kv_lora_rank=reader.integer("kv_lora_rank"),
+                v_head_dim=reader.integer("v_head_dim"), qkv_bias=False, qk_layernorm=True)
 
 
 def read_yarn(reader: HFReader) -> dict[str, Any]:

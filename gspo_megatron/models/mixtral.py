@@ -10,9 +10,9 @@ EXPERTS = ExpertCheckpointNames(block="block_sparse_moe", gate="w1", up="w3", do
 
 
 def read_hf(reader: HFReader) -> dict[str, Any]:
-    return dict(num_experts=int(reader.get("num_local_experts")), moe_router_topk=int(reader.get("num_experts_per_tok")),
-                moe_ffn_hidden_size=int(reader.get("intermediate_size")),
-                ffn_hidden_size=int(reader.get("intermediate_size")), norm_topk_prob=True)
+    return dict(num_experts=reader.integer("num_local_experts"), moe_router_topk=reader.integer("num_experts_per_tok"),
+                moe_ffn_hidden_size=reader.integer("intermediate_size"),
+                ffn_hidden_size=reader.integer("intermediate_size"), norm_topk_prob=True)
 
 
 def write_hf(config) -> dict[str, Any]:

@@ -13,13 +13,13 @@ EXPERTS = ExpertCheckpointNames(block="mlp", gate="gate_proj", up="up_proj", dow
 
 
 def read_hf(reader: HFReader) -> dict[str, Any]:
-    shared = int(reader.get("shared_expert_intermediate_size"))
+    shared = reader.integer("shared_expert_intermediate_size")
     if shared < 1:
         raise reader.error("shared_expert_intermediate_size", f"must be >= 1 (Qwen2-MoE always has a shared "
                            f"expert), got {shared}")
-    return dict(num_experts=int(reader.get("num_experts")), moe_router_topk=int(reader.get("num_experts_per_tok")),
-                moe_ffn_hidden_size=int(reader.get("moe_intermediate_size")),
-                ffn_hidden_size=int(reader.get("intermediate_size", 1)),
+    return dict(num_experts=reader.integer("num_experts"), moe_router_topk=reader.integer("num_experts_per_tok"),
+                moe_ffn_hidden_size=reader.integer("moe_intermediate_size"),
+                ffn_hidden_size=reader.integer("intermediate_size", 1),
                 norm_topk_prob=bool(reader.get("norm_topk_prob", False)),
                 moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
 

@@ -10,12 +10,12 @@ EXPERTS = ExpertCheckpointNames(block="mlp", gate="gate_proj", up="up_proj", dow
 
 
 def read_hf(reader: HFReader) -> dict[str, Any]:
-    experts = reader.hf.get("num_experts", reader.hf.get("num_local_experts"))
-    if experts is None:
+    key = "num_experts" if reader.hf.get("num_experts") is not None else "num_local_experts"
+    if reader.hf.get(key) is None:
         raise reader.error("num_experts", "required field is missing for qwen3_moe")
-    return dict(num_experts=int(experts), moe_router_topk=int(reader.get("num_experts_per_tok")),
-                moe_ffn_hidden_size=int(reader.get("moe_intermediate_size")),
-                ffn_hidden_size=int(reader.get("intermediate_size", 1)),
+    return dict(num_experts=reader.integer(key), moe_router_topk=reader.integer("num_experts_per_tok"),
+                moe_ffn_hidden_size=reader.integer("moe_intermediate_size"),
+                ffn_hidden_size=reader.integer("intermediate_size", 1),
                 norm_topk_prob=bool(reader.get("norm_topk_prob", False)))
 
 

@@ -67,6 +67,9 @@ class RewardConfig:
     import_dirs: folders put first on the import path for ``module:function`` terms (default: the config
         file's folder, so a reward module beside the config imports); a training run imports each custom
         term at start-up, and a failure is one line naming the term (trainer/config.py).
+    max_print_bytes: what the reward functions may print per scored batch (workers' stdout and stderr, an
+        in-process reward's ``print``), all together; the rest is cut, one log line says how much
+        (``rewards/print_cut_bytes``; gspo_megatron/print_cap.py).
     """
 
     terms: list[RewardTermConfig] = dataclasses.field(default_factory=lambda: [RewardTermConfig("math")])
@@ -77,6 +80,7 @@ class RewardConfig:
     math: MathRewardConfig = dataclasses.field(default_factory=MathRewardConfig)
     code: CodeRewardConfig = dataclasses.field(default_factory=CodeRewardConfig)
     import_dirs: list[str] = dataclasses.field(default_factory=list)
+    max_print_bytes: int = 65536
 
     def validate(self, path: str) -> None:
         check(len(self.terms) > 0, f"{path}.terms", "needs at least one reward term")
@@ -88,6 +92,7 @@ class RewardConfig:
         check(self.timeout_s > 0, f"{path}.timeout_s", "must be > 0")
         check(self.async_chunk_size >= 1, f"{path}.async_chunk_size", "must be >= 1")
         check(self.startup_timeout_s > 0, f"{path}.startup_timeout_s", "must be > 0")
+        check(self.max_print_bytes >= 0, f"{path}.max_print_bytes", f"must be >= 0, got {self.max_print_bytes}")
 
 
 __all__ = ["BUILTIN_TERMS", "RewardConfig", "RewardTermConfig"]

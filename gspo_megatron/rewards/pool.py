@@ -30,6 +30,7 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Sequence
 
+from gspo_megatron.print_cap import PrintCap
 from gspo_megatron.rewards.config import RewardConfig
 from gspo_megatron.rewards.in_process import InProcessLimits
 from gspo_megatron.rewards.sandbox import probe_isolation
@@ -120,7 +121,7 @@ def _kill(worker: _Worker) -> None:
     worker.outbox.close()
 
 
-def _shutdown(workers: list[_Worker]) -> None:
+def _shutdown(workers: list[_Worker], prints: PrintCap) -> None:
     for w in workers:
         if w.proc.poll() is None:
             try:
@@ -135,6 +136,7 @@ def _shutdown(workers: list[_Worker]) -> None:
             pass  # killed next
         _kill(w)
     workers.clear()
+    prints.close()
 
 
 class RewardPool:
@@ -155,7 +157,8 @@ class RewardPool:
             [(t.is_async, t.batched) for t in self._local_terms] if self._local_terms is not None else [])
         self._next_task_id = 0
         self.recent_errors: collections.deque[str] = collections.deque(maxlen=20)
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+        self._prints = PrintCap(cfg.max_print_bytes, "the reward functions' output", "rewards.max_print_bytes")
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._prints)
         if cfg.num_workers:
             self._workers.extend(self._spawn() for _ in range(cfg.num_workers))
             deadline = time.monotonic() + cfg.startup_timeout_s
@@ -177,7 +180,7 @@ class RewardPool:
         death_parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
         proc = subprocess.Popen([sys.executable, "-c", _BOOT.format(to_worker_r, from_worker_w, death_parent)],
                                 pass_fds=(to_worker_r, from_worker_w), stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+                                stdout=self._prints.fd, stderr=self._prints.fd, start_new_session=True)
         os.close(to_worker_r)
         os.close(from_worker_w)
         worker = _Worker(proc, Connection(to_worker_w, readable=False), Connection(from_worker_r, writable=False),
@@ -333,13 +336,15 @@ class RewardPool:
         tasks = self._plan(len(items))
         if self._local_terms is not None:
             results: Results = {}
-            with InProcessLimits().installed() as limits:  # timeouts and stop signals in this process
+            # timeouts and stop signals in this process; its prints through the cap
+            with self._prints.capturing(), InProcessLimits().installed() as limits:
                 for t in tasks:
                     outcomes = evaluate(self._local_terms[t.term_index], [items[i] for i in t.indices],
                                         self.cfg.timeout_s, limits)
                     results.update(((t.term_index, i), o) for i, o in zip(t.indices, outcomes))
         else:
             results = self._run_in_workers(items, tasks, stats)
+        stats["print_cut_bytes"] = self._prints.end_window()
         return self._combine(len(items), results, stats, time.monotonic() - start)
 
     def _combine(self, n: int, results: Results, stats: collections.Counter, elapsed_s: float) -> Scores:
@@ -374,6 +379,7 @@ class RewardPool:
         metrics["rewards/errors"] = sum(metrics[f"rewards/{t.metric_key}/errors"] for t in self.cfg.terms)
         metrics["rewards/timeouts"] = sum(metrics[f"rewards/{t.metric_key}/timeouts"] for t in self.cfg.terms)
         metrics["rewards/worker_restarts"] = float(stats["worker_restarts"])
+        metrics["rewards/print_cut_bytes"] = float(stats["print_cut_bytes"])
         metrics["rewards/time_s"] = elapsed_s
         failed = int(metrics["rewards/errors"] + metrics["rewards/timeouts"])
         if failed and self.on_failures is not None:

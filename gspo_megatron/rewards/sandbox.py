@@ -236,9 +236,19 @@ def python_tool(cfg: SandboxConfig, code: str, timeout_s: float) -> tuple[str, b
     run = reply.runs[0]
     if run.timed_out:
         return f"error: timed out after {timeout_s:g} s", True, True, False
+    if run.output_overflow:  # the launcher stops a program at the byte limit (SIGKILL): say that, with the head
+        return (f"error: the output passed {cfg.max_output_bytes} bytes: cut there, and the program stopped\n"
+                f"{run.stdout or ''}"), True, False, True
+    if run.signal is not None:
+        return f"error: killed by {signal_name(run.signal)}\n{run.stderr_tail}", True, False, False
     if run.exit_code != 0:
         return f"error: exit code {run.exit_code}\n{run.stderr_tail}", True, False, False
-    return run.stdout or "", False, False, run.output_overflow
+    return run.stdout or "", False, False, False
+
+
+def signal_name(number: int) -> str:
+    """``11`` -> ``"SIGSEGV"`` (a number this Python does not name: ``"signal 99"``)."""
+    return {s.value: s.name for s in signal.Signals}.get(number, f"signal {number}")
 
 
 def probe_isolation(cfg: SandboxConfig) -> dict[str, Any]:

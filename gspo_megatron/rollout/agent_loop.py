@@ -42,6 +42,9 @@ from gspo_megatron.typed_config import check
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 STAT_KEYS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_truncated", "turn_limit")
 _MARK = "\x00ASSISTANT\x00"
+_SLOT = "\x00TOOL{}\x00"  # where the template puts tool message k's content (tokenised apart, as data)
+_SLOTS = re.compile("\x00TOOL([0-9]+)\x00")
+MAX_TOOL_TIMEOUT_S = 3600
 
 
 @dataclasses.dataclass
@@ -56,6 +59,8 @@ class MultiTurnConfig:
         bounds each model turn.
     tool_timeout_s: per call of a user tool or the python tool (the sandbox's case limit).
     max_tool_calls_per_turn: more calls in one turn are answered with an error, not run.
+    max_print_bytes: what the user tools may print (their worker's stdout and stderr) per rollout, all
+        together; the rest is cut and one log line says how much (gspo_megatron/print_cap.py).
     """
 
     tools: list[ToolConfig] = dataclasses.field(default_factory=lambda: [ToolConfig("calculator")])
@@ -64,6 +69,7 @@ class MultiTurnConfig:
     max_trajectory_tokens: int = 256
     tool_timeout_s: float = 5.0
     max_tool_calls_per_turn: int = 4
+    max_print_bytes: int = 65536
 
     def validate(self, path: str) -> None:
         check(len(self.tools) > 0, f"{path}.tools", "needs at least one tool")
@@ -73,8 +79,12 @@ class MultiTurnConfig:
         check(self.max_turns >= 1, f"{path}.max_turns", "must be >= 1")
         check(self.max_tool_output_tokens >= 1, f"{path}.max_tool_output_tokens", "must be >= 1")
         check(self.max_trajectory_tokens >= 2, f"{path}.max_trajectory_tokens", "must be >= 2")
-        check(self.tool_timeout_s > 0, f"{path}.tool_timeout_s", "must be > 0")
+        # an hour bounds what one call can hold up its whole rollout batch (and keeps deadlines finite)
+        check(0 < self.tool_timeout_s <= MAX_TOOL_TIMEOUT_S, f"{path}.tool_timeout_s",
+              f"must be in (0, {MAX_TOOL_TIMEOUT_S}] seconds (a call holds up its whole rollout batch), "
+              f"got {self.tool_timeout_s:g}")
         check(self.max_tool_calls_per_turn >= 1, f"{path}.max_tool_calls_per_turn", "must be >= 1")
+        check(self.max_print_bytes >= 0, f"{path}.max_print_bytes", f"must be >= 0, got {self.max_print_bytes}")
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -139,25 +149,39 @@ class ToolTurnRenderer:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                                   chat_template=self.chat_template)
 
+    def _data_ids(self, text: str) -> list[int]:
+        """Token ids of a tool's text as data: a control token spelled in it (``<|im_end|>``) is tokenised as
+        its characters, never as the control token (a tool's answer is no more trusted than a data row)."""
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
     def bound(self, text: str) -> tuple[str, bool]:
         """``text`` cut to ``max_tool_output_tokens`` tokens; and whether it was cut."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self._data_ids(text)
         if len(ids) <= self.max_tool_output_tokens:
             return text, False
-        return self.tokenizer.decode(ids[:self.max_tool_output_tokens]), True
+        return self.tokenizer.decode(ids[:self.max_tool_output_tokens], skip_special_tokens=False), True
 
     def render(self, results: list[str], stop_text: str) -> list[int]:
-        """``stop_text``: the text of the stop token that ended the model turn (already in the trajectory)."""
+        """``stop_text``: the text of the stop token that ended the model turn (already in the trajectory).
+        The template's own text is tokenised with its control tokens; each result on its own, as data."""
         base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
         before = self._render(base, False)
-        after = self._render(base + [{"role": "tool", "content": r} for r in results], True)
+        after = self._render(base + [{"role": "tool", "content": _SLOT.format(k)} for k in range(len(results))], True)
         if not after.startswith(before):
             raise ValueError("the chat template renders an assistant turn differently once tool messages follow "
                              "it; multi-turn rollouts need a template whose earlier turns do not change")
         closing = before[before.index(_MARK) + len(_MARK):]
         if stop_text and closing.startswith(stop_text):
             closing = closing[len(stop_text):]
-        return list(self.tokenizer(closing + after[len(before):], add_special_tokens=False)["input_ids"])
+        # pieces: template text, slot number, template text, ... (a slot per result, in order)
+        pieces = _SLOTS.split(closing + after[len(before):])
+        if pieces[1::2] != [str(k) for k in range(len(results))]:
+            raise ValueError("the chat template does not render each tool message's content once, in order")
+        ids = []
+        for k, piece in enumerate(pieces):
+            ids += self._data_ids(results[int(piece)]) if k % 2 else \
+                self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        return ids
 
 
 @dataclasses.dataclass
@@ -190,7 +214,8 @@ class AgentLoop(RolloutEngine):
         self.engine = engine
         self.config = config
         self.tokenizer = tokenizer
-        self.tools = ToolRegistry(config.tools, timeout_s=config.tool_timeout_s, run_python=run_python)
+        self.tools = ToolRegistry(config.tools, timeout_s=config.tool_timeout_s, run_python=run_python,
+                                  max_print_bytes=config.max_print_bytes)
         self.renderer = ToolTurnRenderer(tokenizer, chat_template, config.max_tool_output_tokens)
         self.stop_token_ids = list(stop_token_ids)
         self.releases_memory = engine.releases_memory
@@ -222,6 +247,7 @@ class AgentLoop(RolloutEngine):
             stats = {key: int(t.stats[key]) for key in STAT_KEYS}
             samples.append(Sample(prompt_index=k // G, response_ids=t.response, logprobs=t.logprobs,
                                   finish_reason=t.finish_reason, response_mask=t.mask, tool_stats=stats))
+        self.tools.end_print_window()
         return samples
 
     def _continue(self, active: list[_Trajectory], params: SamplingParams, seed: int,

@@ -3,7 +3,8 @@
 Three kinds, each ``tool(arguments: dict) -> str``:
 
   calculator   ``{"expression": "12*(3+4)"}``: integer/float arithmetic with + - * / // % and parentheses,
-               parsed with ``ast`` (no names, no calls, no powers: nothing can run long or grow huge);
+               parsed with ``ast`` (no names, no calls, no powers: nothing can run long or grow huge; a
+               literal or result that is not finite or beyond 1e30 is an error);
                runs in the calling process.
   python       ``{"code": "print(6*7)"}``: the program runs in the rewards sandbox with the code reward's
                isolation and limits (``rewards.code.sandbox``); the trainer hands the registry that runner
@@ -27,6 +28,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import math
 import operator
 import os
 import select
@@ -35,6 +37,7 @@ import subprocess
 import sys
 from typing import Any, Callable
 
+from gspo_megatron.print_cap import PrintCap
 from gspo_megatron.typed_config import check
 
 BUILTIN_TOOLS = ("calculator", "python")
@@ -82,9 +85,19 @@ _MAX_CALCULATOR_CHARS = 200
 _MAX_MAGNITUDE = 10**30
 
 
+def _bounded(value: int | float) -> int | float:
+    """``value`` if it is finite and within ``_MAX_MAGNITUDE``; literals and results alike (``1e309`` is inf,
+    ``inf - inf`` is nan, a 199-digit literal is no result the model should learn to read)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ToolError("not a finite number")
+    if abs(value) > _MAX_MAGNITUDE:
+        raise ToolError("number too large")
+    return value
+
+
 def _calc(node: ast.AST) -> int | float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return _bounded(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         value = _calc(node.operand)
         return -value if isinstance(node.op, ast.USub) else value
@@ -92,10 +105,7 @@ def _calc(node: ast.AST) -> int | float:
         left, right = _calc(node.left), _calc(node.right)
         if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
             raise ToolError("division by zero")
-        value = _BINARY[type(node.op)](left, right)
-        if abs(value) > _MAX_MAGNITUDE:
-            raise ToolError("result too large")
-        return value
+        return _bounded(_BINARY[type(node.op)](left, right))
     raise ToolError(f"unsupported expression element {type(node).__name__}")
 
 
@@ -126,7 +136,7 @@ PythonRunner = Callable[[str, float], tuple[str, bool, bool, bool]]
 
 def _worker_main() -> None:
     """The user-tool worker: JSON lines in on stdin, JSON lines out on the original stdout (the tools'
-    own prints go to stderr, so they cannot corrupt the replies)."""
+    own prints go to stderr, so they cannot corrupt the replies; the registry caps what reaches the log)."""
     import importlib
     import traceback
 
@@ -153,9 +163,10 @@ def _worker_main() -> None:
 class ToolWorker:
     """One worker interpreter for user tools; killed and restarted when a call exceeds its time limit."""
 
-    def __init__(self, timeout_s: float, max_output_chars: int):
+    def __init__(self, timeout_s: float, max_output_chars: int, prints: PrintCap):
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
+        self.prints = prints  # where the tools' own prints go: the log, capped per rollout
         self._proc: subprocess.Popen | None = None
         self._buffer = b""
 
@@ -165,7 +176,7 @@ class ToolWorker:
         # its own session: the worker leads a process group that holds whatever the tools start, so a timeout
         # kills them too (close); the reward pool's workers are started the same way
         proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+                                stderr=self.prints.fd, start_new_session=True)
         proc.stdin.write((json.dumps({"sys_path": sys.path}) + "\n").encode())
         proc.stdin.flush()
         self._buffer = b""
@@ -231,7 +242,7 @@ class ToolRegistry:
     """The configured tools by the name the model calls them; ``call`` never raises for a tool's fault."""
 
     def __init__(self, tools: list[ToolConfig], *, timeout_s: float = 5.0, max_output_chars: int = 4096,
-                 run_python: PythonRunner | None = None):
+                 run_python: PythonRunner | None = None, max_print_bytes: int = 65536):
         self.max_output_chars = max_output_chars
         self.timeout_s = timeout_s
         self.run_python = run_python
@@ -240,7 +251,9 @@ class ToolRegistry:
             raise ValueError("rollout.multi_turn.tools: two tools have the same name; set a distinct 'key'")
         if "python" in self._tools.values() and run_python is None:
             raise ValueError("rollout.multi_turn.tools: the python tool needs a sandbox runner (run_python)")
-        self._worker = ToolWorker(timeout_s, max_output_chars) if any(":" in t.name for t in tools) else None
+        self._prints = PrintCap(max_print_bytes, "the tools' output", "rollout.multi_turn.max_print_bytes")
+        self._worker = (ToolWorker(timeout_s, max_output_chars, self._prints) if any(":" in t.name for t in tools)
+                        else None)
 
     @property
     def names(self) -> list[str]:
@@ -280,9 +293,14 @@ class ToolRegistry:
                 return ToolResult(f"error: {err}", error=True)
         return self._worker.call(kind, arguments)
 
+    def end_print_window(self) -> int:
+        """End a rollout's window of the tools' prints: the bytes cut in it (a log line says so when > 0)."""
+        return self._prints.end_window()
+
     def close(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        self._prints.close()
 
 
 __all__ = ["BUILTIN_TOOLS", "PythonRunner", "ToolConfig", "ToolError", "ToolRegistry", "ToolResult", "ToolWorker",

@@ -28,6 +28,7 @@ from gspo_megatron.typed_config import ConfigError, build, check, to_dict
 
 
 # any of these makes a folder loadable by transformers' AutoTokenizer
+MAX_GENERATION_ROUNDS = 64  # rollout.max_generation_rounds: rounds of dynamic sampling in one step
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -110,12 +111,23 @@ class RolloutSection:
               "required with engine: sglang (urls of running servers, or launch settings)")
         check(self.max_generation_rounds >= 1, f"{path}.max_generation_rounds",
               f"must be >= 1, got {self.max_generation_rounds}")
+        # each round generates prompts_per_step x samples_per_prompt responses again inside one step: a step
+        # that needs more than this many rounds has data that is almost never informative
+        check(self.max_generation_rounds <= MAX_GENERATION_ROUNDS, f"{path}.max_generation_rounds",
+              f"must be in 1..{MAX_GENERATION_ROUNDS} (each round generates the step's whole batch again; a step "
+              f"needing more rounds has data that is almost never informative), got {self.max_generation_rounds}")
         check(self.overlong != "soft_penalty" or 1 <= self.overlong_buffer_tokens <= self.max_new_tokens,
               f"{path}.overlong_buffer_tokens", f"must be in 1..rollout.max_new_tokens ({self.max_new_tokens}) "
               f"with overlong: soft_penalty, got {self.overlong_buffer_tokens}")
+        check(self.overlong == "soft_penalty" or self.overlong_buffer_tokens == 0, f"{path}.overlong_buffer_tokens",
+              f"has no effect with rollout.overlong: {self.overlong} (only soft_penalty reads it): set it to 0 or "
+              f"use soft_penalty, got {self.overlong_buffer_tokens}")
         check(not self.partial or 1 <= self.partial_token_budget <= self.max_new_tokens,
               f"{path}.partial_token_budget", f"must be in 1..rollout.max_new_tokens ({self.max_new_tokens}) "
               f"with partial: true, got {self.partial_token_budget}")
+        check(self.partial or self.partial_token_budget == 0, f"{path}.partial_token_budget",
+              f"has no effect without rollout.partial: true: set it to 0 or turn partial on, got "
+              f"{self.partial_token_budget}")
 
 
 @dataclasses.dataclass
@@ -273,10 +285,14 @@ class TrainConfig:
         check_reward_imports(self.rewards)
         if self.rollout.multi_turn is not None:
             check_tool_imports(self.rollout.multi_turn.tools, self.rewards.import_dirs)
-        check(self.rollout.multi_turn is None or self.train.routing_replay != "r3", "train.routing_replay",
-              "r3 is not supported with rollout.multi_turn (the engine's experts of the tool tokens are not recorded)")
+        # auto replays r3 in the steps whose agreement is low, so it needs what r3 needs
+        check(self.rollout.multi_turn is None or self.train.routing_replay not in ("r3", "auto"), "train.routing_replay",
+              f"{self.train.routing_replay} is not supported with rollout.multi_turn (the engine's experts of the tool "
+              "tokens are not recorded): use off or r2")
         check(self.sft.traces is None or self.rollout.multi_turn is not None, "sft.traces",
               "needs rollout.multi_turn (the traces' tool turns are rendered by its chat template)")
+        if self.sft.traces is not None:
+            check_import(self.sft.traces, "sft.traces", self.rewards.import_dirs)
         multi_turn = self.rollout.multi_turn
         if multi_turn is not None and self.model.config is not None:
             need = self.data.max_prompt_tokens + multi_turn.max_trajectory_tokens
@@ -343,28 +359,31 @@ def check_reward_imports(rewards: RewardConfig) -> None:
     """Import each ``module:function`` reward term now, in this process: a failure is one line naming the
     term (rewards.import_dirs first on the path), not a reward worker's traceback."""
     from gspo_megatron.rewards.config import BUILTIN_TERMS
-    from gspo_megatron.rewards.terms import RewardSetupError, import_function
 
     for i, term in enumerate(rewards.terms):
         if term.name not in BUILTIN_TERMS:
-            try:
-                import_function(term.name, f"rewards.terms[{i}].name", rewards.import_dirs)
-            except RewardSetupError as err:
-                raise ConfigError(str(err)) from None
+            check_import(term.name, f"rewards.terms[{i}].name", rewards.import_dirs)
 
 
 def check_tool_imports(tools: list, import_dirs: list[str]) -> None:
     """Import each ``module:function`` tool of ``rollout.multi_turn.tools`` now, like a user reward (rewards.
     import_dirs first on the path, which the tool worker inherits): a bad path is one line naming the tool."""
-    from gspo_megatron.rewards.terms import RewardSetupError, import_function
     from gspo_megatron.rollout.tools import BUILTIN_TOOLS
 
     for i, tool in enumerate(tools):
         if tool.name not in BUILTIN_TOOLS:
-            try:
-                import_function(tool.name, f"rollout.multi_turn.tools[{i}].name", import_dirs)
-            except RewardSetupError as err:
-                raise ConfigError(str(err)) from None
+            check_import(tool.name, f"rollout.multi_turn.tools[{i}].name", import_dirs)
+
+
+def check_import(path: str, field: str, import_dirs: list[str]) -> None:
+    """Import the ``module:function`` at ``path`` now (``import_dirs`` first on the path): a failure is a
+    ConfigError naming ``field`` (exit 2), not a traceback once the model is built."""
+    from gspo_megatron.rewards.terms import RewardSetupError, import_function
+
+    try:
+        import_function(path, field, import_dirs)
+    except RewardSetupError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_layout(parallel: ParallelConfig, model: ModelConfig, where: str) -> None:

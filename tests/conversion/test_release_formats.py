@@ -2,6 +2,7 @@
 dequantization), transformers 5's fused experts (read as the per-expert tensors), and their errors."""
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -205,3 +206,18 @@ def test_fp8_export_in_the_release_block_scheme_reads_back(tmp_path):
     offline.megatron_to_hf(again, tmp_path / "fp8-again", fp8_block=(128, 128), progress=False)
     assert (tmp_path / "fp8-again" / "model.safetensors").read_bytes() == \
         (tmp_path / "fp8" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_fp8_scale_is_refused_naming_the_tensor(tmp_path, bad):
+    """A NaN or inf scale used to dequantize silently into NaN / inf weights."""
+    hf = make_hf_dir("qwen3_moe", tmp_path / "hf", dtype=torch.bfloat16)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    quantize_checkpoint(hf, (16, 16), torch.Generator().manual_seed(4), names={name})
+    (file,) = list(hf.glob("*.safetensors"))
+    tensors = load_file(file)
+    tensors[name + "_scale_inv"][1, 2] = bad
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=re.escape(f"{name}_scale_inv[1, 2]: {bad} is not finite")):
+        offline.hf_to_megatron(hf, tmp_path / "meg", progress=False)
+    assert not (tmp_path / "meg").exists()

@@ -24,3 +24,12 @@ def sleeps(sample, response):
     open(os.environ["GSPO_TEST_REWARD_STARTED"], "w").close()
     time.sleep(3600)
     return 0.0
+
+
+def loud(sample, response):
+    """Prints 8 MB per response to stdout and stderr (a debug print left in a loop): the log must stay bounded."""
+    import sys
+
+    sys.stdout.write("o" * (4 << 20) + "\n")
+    sys.stderr.write("e" * (4 << 20) + "\n")
+    return 1.0

@@ -148,3 +148,89 @@ def test_config_sizes_beyond_the_weights_present_are_refused_before_allocating(c
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and f"config.json: {named}" in err[0], err
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: nothing was built
+
+
+def _convert_edited(hf, tmp_path, capsys, edit) -> tuple[int, list[str]]:
+    """hf-to-megatron of a copy of ``hf`` changed by ``edit(folder)``: (exit code, stderr lines)."""
+    shutil.copytree(hf, tmp_path / "hf")
+    edit(tmp_path / "hf")
+    code = cli.main(["hf-to-megatron", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "out"), "--no-progress"])
+    assert not (tmp_path / "out").exists()
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def _set_config(folder, **changes):
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize("value, message", [("two", "expected an integer, got 'two'"),
+                                            (2.5, "expected an integer, got 2.5"),
+                                            (True, "expected an integer, got True")])
+def test_a_config_count_that_is_not_an_integer_is_refused_naming_the_key(converted, tmp_path, capsys, value, message):
+    """"two" was a raw ValueError (exit 1) and 2.5 silently became 2."""
+    _, hf, _ = converted
+    code, err = _convert_edited(hf, tmp_path, capsys, lambda folder: _set_config(folder, num_hidden_layers=value))
+    assert code == 2 and len(err) == 1 and f"config.json: num_hidden_layers: {message}" in err[0], err
+
+
+def test_an_index_entry_outside_the_model_folder_is_refused_and_never_opened(converted, tmp_path, capsys):
+    import json
+
+    _, hf, _ = converted
+    (tmp_path / "secret.safetensors").write_bytes(b"SECRET-BYTES" * 100)
+
+    def point_outside(folder):
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+        from safetensors import safe_open
+
+        with safe_open(folder / "model-00001-of-00001.safetensors", "pt") as f:
+            weight_map = {name: "model-00001-of-00001.safetensors" for name in f.keys()}
+        first = sorted(weight_map)[0]
+        weight_map[first] = "../secret.safetensors"
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    code, err = _convert_edited(hf, tmp_path, capsys, point_outside)
+    assert code == 2 and len(err) == 1, err
+    assert "weight_map" in err[0] and "'../secret.safetensors' is not a file name inside" in err[0], err
+    assert "SECRET" not in err[0]
+
+
+def test_a_config_json_symlink_loop_is_reported_as_a_loop(converted, tmp_path, capsys):
+    def loop(folder):
+        (folder / "config.json").unlink()
+        (folder / "config.json").symlink_to(folder / "other.json")
+        (folder / "other.json").symlink_to(folder / "config.json")
+
+    code, err = _convert_edited(*converted[1:2], tmp_path, capsys, loop)
+    assert code == 2 and len(err) == 1 and "config.json: cannot be read: a symbolic link loop" in err[0], err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("key, hf_key, value, named", [
+    ("num_layers", "num_hidden_layers", 1_000_000_000, "num_layers=1000000000 but the checkpoint holds 2 layers"),
+    ("num_experts", "num_experts", 1_000_000, "num_experts=1000000 but the checkpoint's routers score [4] experts")])
+def test_megatron_to_hf_refuses_config_counts_beyond_the_checkpoint_before_allocating(converted, tmp_path, capsys, key,
+                                                                                    hf_key, value, named):
+    """model_config.json and the hf/ template both claiming 1e9 layers (they must agree) are checked against the
+    checkpoint's tensors before the table or the layout is built, like hf-to-megatron's count check (the
+    layer count used to grow memory without bound)."""
+    import json
+    import resource
+
+    _, _, meg = converted
+    shutil.copytree(meg, tmp_path / "meg")
+    for name, field in (("model_config.json", key), ("hf/config.json", hf_key)):
+        config = json.loads((tmp_path / "meg" / name).read_text())
+        (tmp_path / "meg" / name).write_text(json.dumps({**config, field: value}))
+    meta = json.loads((tmp_path / "meg" / "gspo_meta.json").read_text())
+    meta["model_config"][key] = value
+    (tmp_path / "meg" / "gspo_meta.json").write_text(json.dumps(meta))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    code = cli.main(["megatron-to-hf", "--megatron-dir", str(tmp_path / "meg"), "--out", str(tmp_path / "out"),
+                     "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and named in err[0], err
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: nothing was built

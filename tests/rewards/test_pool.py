@@ -6,6 +6,7 @@ import os
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -338,3 +339,30 @@ def test_an_in_process_code_reward_cut_by_its_deadline_leaves_no_sandbox(tmp_pat
         time.sleep(0.05)
         left = sandbox_uid_processes(build(SandboxConfig, sandbox, "sandbox"))
     assert left == []
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_what_a_reward_prints_is_capped_per_batch_with_a_marker(num_workers):
+    """A reward printing 8 MB per response wrote gigabytes of log: a batch's prints reach the log up to
+    ``rewards.max_print_bytes``, then one line says how much was cut (and the metrics count it)."""
+    import subprocess
+    import sys
+
+    script = ("from gspo_megatron.rewards.config import RewardConfig, RewardTermConfig\n"
+              "from gspo_megatron.rewards.pool import RewardPool\n"
+              f"cfg = RewardConfig(terms=[RewardTermConfig('tests.reliability.failing_reward:loud')], "
+              f"num_workers={num_workers}, max_print_bytes=10000)\n"
+              "with RewardPool(cfg) as pool:\n"
+              "    for _ in range(2):\n"
+              "        rewards, metrics = pool.score([({'answer': '1'}, 'r')] * 4)\n"
+              "        assert rewards == [1.0] * 4, rewards\n"
+              "        print('cut', int(metrics['rewards/print_cut_bytes']), flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stdout + proc.stderr
+    assert len(printed) < 2 * (10000 + 200), len(printed)  # two batches, each its cap and one marker line
+    cuts = [int(line.split()[1]) for line in proc.stdout.decode().splitlines() if line.startswith("cut ")]
+    assert cuts == [4 * (8 << 20) + 8 - 10000] * 2, cuts
+    assert printed.count(f"{cuts[0]} more bytes of the reward functions' output cut (rewards.max_print_bytes="
+                         f"10000)".encode()) == 2

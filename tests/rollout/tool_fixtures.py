@@ -29,3 +29,12 @@ def spawn_and_hang(pid_file: str) -> str:
         f.write(str(child.pid))
     time.sleep(600)
     return "never"
+
+
+def loud(**_arguments) -> str:
+    """Prints 8 MB per call on stdout and stderr (a debug print left in): the log must stay bounded."""
+    import sys
+
+    sys.stdout.write("o" * (4 << 20) + "\n")
+    sys.stderr.write("e" * (4 << 20) + "\n")
+    return "done"
