@@ -46,12 +46,12 @@ def response_fields(sample, tokenizer, name: str = "response") -> dict[str, Any]
 
 def completion_rows(batch, tokenizer, n: int, step: int) -> list[dict[str, Any]]:
     """Up to ``n`` rows {step, prompt, answer, response, reward} (and ``turns`` for a multi-turn response) from a
-    rollout batch: a list of (prompt sample, [sample x G], [reward x G], [verdict x G])."""
+    rollout batch (``schedule.base.RolloutGroup`` s)."""
     rows = []
-    for prompt, samples, rewards, _ in batch[:n]:
-        rows.append({"step": int(step), "prompt": tokenizer.decode(list(prompt.prompt_ids), skip_special_tokens=True),
-                     "answer": None if prompt.answer is None else str(prompt.answer),
-                     **response_fields(samples[0], tokenizer), "reward": float(rewards[0])})
+    for g in batch[:n]:
+        rows.append({"step": int(step), "prompt": tokenizer.decode(list(g.prompt.prompt_ids), skip_special_tokens=True),
+                     "answer": None if g.prompt.answer is None else str(g.prompt.answer),
+                     **response_fields(g.samples[0], tokenizer), "reward": float(g.rewards[0])})
     return rows
 
 
@@ -59,14 +59,13 @@ def eval_rows(greedy, sampled, tokenizer) -> list[dict[str, Any]]:
     """Per prompt of an evaluation: the greedy response (``greedy_turns`` for a multi-turn one) and reward, and the
     pass@k samples' responses and rewards (``sampled`` None without pass@k)."""
     rows = []
-    for i, (prompt, samples, rewards, _) in enumerate(greedy):
-        row = {"prompt": tokenizer.decode(list(prompt.prompt_ids), skip_special_tokens=True),
-               "answer": None if prompt.answer is None else str(prompt.answer),
-               **response_fields(samples[0], tokenizer, "greedy"), "greedy_reward": float(rewards[0])}
+    for i, g in enumerate(greedy):
+        row = {"prompt": tokenizer.decode(list(g.prompt.prompt_ids), skip_special_tokens=True),
+               "answer": None if g.prompt.answer is None else str(g.prompt.answer),
+               **response_fields(g.samples[0], tokenizer, "greedy"), "greedy_reward": float(g.rewards[0])}
         if sampled is not None:
-            _, k_samples, k_rewards, _ = sampled[i]
-            row["samples"] = [response_fields(s, tokenizer)["response"] for s in k_samples]
-            row["sample_rewards"] = [float(r) for r in k_rewards]
+            row["samples"] = [response_fields(s, tokenizer)["response"] for s in sampled[i].samples]
+            row["sample_rewards"] = [float(r) for r in sampled[i].rewards]
         rows.append(row)
     return rows
 

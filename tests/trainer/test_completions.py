@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gspo_megatron.trainer.completions import truncate_completions
+from gspo_megatron.trainer.schedule.base import RolloutGroup
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "cpu_demo.yaml"
@@ -80,7 +81,7 @@ def test_a_multi_turn_sample_keeps_its_turns_in_the_row_and_on_the_console():
     from gspo_megatron.trainer.completions import as_text, completion_rows, console_line, eval_rows
 
     tokenizer, prompt, sample = _tool_trajectory()
-    [row] = completion_rows([(prompt, [sample], [1.0], [True])], tokenizer, n=1, step=3)
+    [row] = completion_rows([RolloutGroup(prompt, [sample], [1.0], [True])], tokenizer, n=1, step=3)
     roles = [t["role"] for t in row["turns"]]
     assert roles == ["assistant", "tool", "assistant"]
     call, answer, final = (t["text"] for t in row["turns"])
@@ -91,7 +92,7 @@ def test_a_multi_turn_sample_keeps_its_turns_in_the_row_and_on_the_console():
     line = console_line(row)
     assert f"[assistant] {call!r} [tool] {answer!r} [assistant] {final!r}" in line and "reward 1" in line
     assert "</tool_call>" in as_text([row]) and "**tool**" in as_text([row])
-    [evaluated] = eval_rows([(prompt, [sample], [1.0], [True])], None, tokenizer)
+    [evaluated] = eval_rows([RolloutGroup(prompt, [sample], [1.0], [True])], None, tokenizer)
     assert evaluated["greedy_turns"] == row["turns"]
 
 
@@ -102,6 +103,6 @@ def test_a_single_turn_row_is_unchanged():
     tokenizer, prompt, sample = _tool_trajectory()
     single = type(sample)(prompt_index=0, response_ids=sample.response_ids[-2:], logprobs=[0.0, 0.0],
                           finish_reason="stop")
-    [row] = completion_rows([(prompt, [single], [1.0], [True])], tokenizer, n=1, step=3)
+    [row] = completion_rows([RolloutGroup(prompt, [single], [1.0], [True])], tokenizer, n=1, step=3)
     assert "turns" not in row and row["response"] == "4"
     assert console_line(row) == f"step 3 sample: {row['prompt']!r} -> '4' (answer '4', reward 1)"
