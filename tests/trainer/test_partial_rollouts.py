@@ -41,6 +41,29 @@ def test_partial_run_resumes_exactly_after_sigkill_with_responses_in_flight(tmp_
                 assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
 
 
+@pytest.mark.slow
+def test_partial_rollouts_with_dynamic_sampling_carry_refill_groups_and_resume_exactly(tmp_path):
+    """The two compose (trainer/schedule/partial.py): a refill round's groups join the pool; those it does not
+    finish are carried and judged by the filter in the step that finishes them. The pool, refill groups
+    included, is in the checkpoint, so a SIGKILLed run resumes to the same metrics."""
+    run = [*COMMON, "rollout.filter_groups=zero_variance", "rollout.max_generation_rounds=3"]
+    full = train(tmp_path / "full", *run)
+    steps = full[1:]
+    assert max(m["filter/rounds"] for m in steps) > 1  # refills happened
+    assert all(m["filter/groups_trained"] <= 8 for m in steps)
+    saved = json.loads((tmp_path / "full" / "checkpoints" / "step_000002" / "gspo_meta.json").read_text())
+    slots = [g["slot"] for g in saved["partial_rollouts"]["ranks"][0]]
+    assert max(slots) >= 8  # a refill round's groups (slots after the step's 8 prompts), carried in flight
+    assert len(set(zip(slots, [g["started"] for g in saved["partial_rollouts"]["ranks"][0]]))) == len(slots)
+    assert kill_after_checkpoint(tmp_path / "split", 2, *run) == -signal.SIGKILL
+    resumed = train(tmp_path / "split", *run, resume=True)
+    assert [m["step"] for m in resumed] == [m["step"] for m in full]
+    for a, b in zip(resumed, full):
+        for key in (*KEYS, "filter/rounds", "filter/groups_generated", "filter/groups_dropped"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
 OVERLAP = ["train.rollout_mode=overlap", "train.max_staleness=2"]
 
 
