@@ -31,6 +31,9 @@ class Outcome:
     error: str | None = None
     timed_out: bool = False
     out_of_range: bool = False  # the reward lay outside the term's declared range (RewardTermConfig.range)
+    # an error's traceback, headed by where the term's function is defined (the user's file and line even
+    # when our check of its return value raised); the trainer writes each term's first to the run folder
+    traceback: str | None = None
 
 
 @dataclasses.dataclass
@@ -110,8 +113,22 @@ def _as_verdict(value: Any) -> Verdict:
     return verdict
 
 
-def _error(err: BaseException) -> Outcome:
-    return Outcome(None, f"{type(err).__name__}: {err}"[:500])
+def defined_at(fn: Callable[..., Any]) -> str:
+    """``file:line`` of a term's function (partials and callable objects unwrapped), or its repr."""
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    if not (inspect.isfunction(target) or inspect.ismethod(target)):
+        target = type(target).__call__
+    code = getattr(inspect.unwrap(target), "__code__", None)  # builtins and C functions have none
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else repr(fn)
+
+
+def _error(err: BaseException, term: Term) -> Outcome:
+    """The error outcome of ``term`` on one response: the message (500 characters) and the traceback."""
+    where = f"term {term.key!r}: function {getattr(term.fn, '__qualname__', term.fn)!r} defined at {defined_at(term.fn)}"
+    text = "".join(traceback.format_exception(err))
+    return Outcome(None, f"{type(err).__name__}: {err}"[:500], traceback=f"{where}\n{text}"[-20000:])
 
 
 async def _one_async(term: Term, item: Item, timeout_s: float) -> Outcome:
@@ -120,7 +137,7 @@ async def _one_async(term: Term, item: Item, timeout_s: float) -> Outcome:
     except asyncio.TimeoutError:
         return Outcome(None, f"timed out after {timeout_s} s", timed_out=True)
     except Exception as err:  # a failing reward scores 0 and is counted, it never stops training
-        return _error(err)
+        return _error(err, term)
 
 
 async def _many_async(term: Term, items: Sequence[Item], timeout_s: float) -> list[Outcome]:
@@ -145,7 +162,7 @@ def _batched(term: Term, items: Sequence[Item], timeout_s: float, limits: InProc
     except RewardInterrupted as err:
         return [Outcome(None, f"batch {err}", timed_out=True)] * len(items)
     except Exception as err:  # the whole batch scores 0 and is counted
-        return [_error(err)] * len(items)
+        return [_error(err, term)] * len(items)
 
 
 def evaluate(term: Term, items: Sequence[Item], timeout_s: float,
@@ -165,9 +182,9 @@ def evaluate(term: Term, items: Sequence[Item], timeout_s: float,
         except RewardInterrupted as err:
             outcomes.append(Outcome(None, f"{err} (after up to {timeout_s:g} s, in process)", timed_out=True))
         except Exception as err:  # a failing reward scores 0 and is counted, it never stops training
-            outcomes.append(_error(err))
+            outcomes.append(_error(err, term))
     return outcomes
 
 
-__all__ = ["Item", "Outcome", "RewardSetupError", "Term", "build_term", "build_terms", "evaluate",
+__all__ = ["Item", "Outcome", "RewardSetupError", "Term", "build_term", "build_terms", "defined_at", "evaluate",
            "import_function"]

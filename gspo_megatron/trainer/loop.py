@@ -40,7 +40,7 @@ from gspo_megatron.trainer.batch_filling import BatchFiller, round_seed
 from gspo_megatron.trainer.overlap import InFlight, RolloutAhead, RoundAhead, overlap_timing, staleness, trainer_threads
 from gspo_megatron.trainer import completions
 from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
-from gspo_megatron.trainer.finite import check_advantages, check_some_update_applied
+from gspo_megatron.trainer.finite import check_advantages, check_reward_failures, check_some_update_applied
 from gspo_megatron.trainer.preemption import PartialStep, fits_in_grace
 from gspo_megatron.trainer.metrics_log import SFT_METRICS_FILE, append_record, truncate_after
 from gspo_megatron.trainer.resume import resume_changes, saved_checkpoints
@@ -126,6 +126,7 @@ class Trainer:
         self.preemption.install()
         self.step = 0
         self.faults = {"skipped_updates": 0, "reward_failures": 0, "engine_restarts": 0}
+        self.reward_streaks: dict[str, int] = {}  # failing batches in a row per reward term (trainer/finite.py)
         # where a stop left the run (trainer/preemption.py): the metrics of step self.step still to be
         # evaluated and logged (None: none), the rest of a step stopped between mini-batches, whether a
         # signal stopped the run in its warm start, the step last saved and how long saves take
@@ -585,6 +586,8 @@ class Trainer:
         adv = group_advantages(rewards, estimator=cfg.loss.advantage_estimator, eps=cfg.loss.advantage_eps,
                                batch_norm=cfg.loss.advantage_batch_norm)
         check_advantages(rewards, adv.advantages, cfg.rewards.terms, self.step + 1)
+        self.reward_streaks = check_reward_failures(reward_metrics, cfg.rewards, self.reward_streaks, self.step + 1,
+                                                    self.rewards.first_failures, self.run_dir, self.rank)
         seqs = _training_sequences(batch, adv.advantages, with_routing=replay in ("r3", "auto"), keep=filled.keep)
         minibatches = list(iter_minibatches(seqs, cfg.train.minibatches_per_step))
         shares = [split_for_data_parallel(mb, self.dp_size, self.dp_rank) for mb in minibatches]

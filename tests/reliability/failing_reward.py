@@ -24,3 +24,8 @@ def sleeps(sample, response):
     open(os.environ["GSPO_TEST_REWARD_STARTED"], "w").close()
     time.sleep(3600)
     return 0.0
+
+
+def returns_text(sample, response):
+    """A reward that returns a string, not a number: every response fails the term."""
+    return "1.0"
