@@ -168,14 +168,16 @@ def test_a_resume_on_other_training_data_is_refused_with_exit_2(run_dir, tmp_pat
 
 def test_a_reward_too_large_for_the_advantages_is_a_counted_failure_naming_its_term(tmp_path):
     """A finite reward of 1e300 (float32 advantages: inf - inf = NaN) is refused per response like a reward
-    that raises: scored 0, counted, the warning names the term; training goes on and no update is skipped."""
+    that raises: scored 0, counted, the warning names the term. Refused on every response, it stops the run as
+    any term failing everywhere does, naming the term and the refusal, not the NaN advantages."""
     run_dir = tmp_path / "run"
     huge = "rewards.terms=[{name: synthetic}, {name: 'tests.reliability.failing_reward:huge'}]"
     proc = _run(train_command(run_dir, "train.steps=1", "sft.steps=0", "eval.every_steps=0", huge))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "huge: ValueError: a reward function returned 1e+300" in proc.stdout + proc.stderr, proc.stdout[-3000:]
-    step = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
-    assert step["reward/huge/errors"] == 2 * 8 and step["faults/skipped_updates"] == 0
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "rewards: 16 errors, 0 timeouts in a batch of 16; latest: huge: ValueError: a reward function returned " \
+           "1e+300" in proc.stdout + proc.stderr, proc.stdout[-3000:]
+    assert "step 1: reward term 'huge' failed on every response of the batch (huge: ValueError: a reward function " \
+           "returned 1e+300" in proc.stderr and "not finite" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_weighted_rewards_that_overflow_the_advantages_stop_the_run_naming_the_terms(tmp_path):
