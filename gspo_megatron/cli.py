@@ -1,4 +1,4 @@
-"""`gspo-megatron` command line: train, demo, convert, eval, plot, smoke.
+"""`gspo-megatron` command line: train, demo, convert, eval, plot, prepare, smoke.
 
 Errors print one line: ``gspo-megatron COMMAND: error: ...``. Exit status 2: bad input (our own error
 types and OS errors, which name the file, key or field); 1: an unexpected error (the line names the
@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate.add_arguments(sub.add_parser("eval", help="pass@1 / pass@k of a checkpoint on held-out prompts"))
     sub.add_parser("convert", help="checkpoint conversion (see `gspo-megatron convert -h`)", add_help=False)
+    from gspo_megatron.data import prepare
+
+    prepare.add_arguments(sub.add_parser(
+        "prepare", help="a GSM8K/MATH-like dataset (JSONL, Parquet, save_to_disk folder) as prompt JSONL",
+        description=prepare.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 
@@ -132,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         from gspo_megatron.trainer import plot
 
         return plot.main(rest)
+    if args.command == "prepare":
+        from gspo_megatron.data import prepare
+
+        return run_reporting_errors("prepare", lambda: prepare.run(args))
     if args.command == "convert":
         from gspo_megatron.conversion import cli as convert_cli
 
