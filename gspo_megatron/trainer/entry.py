@@ -96,6 +96,7 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
 
 def run_summary(run_dir: Path, seconds: float) -> str:
     """The closing paragraph: held-out accuracy at the first and the last evaluation, time, where things are."""
+    from gspo_megatron.reporting import cli_command
     from gspo_megatron.trainer.metrics_log import metrics_path, read_metrics
 
     records = read_metrics(metrics_path(run_dir)) if metrics_path(run_dir).exists() else []
@@ -107,5 +108,5 @@ def run_summary(run_dir: Path, seconds: float) -> str:
     else:
         accuracy = "fewer than two held-out evaluations"
     return (f"summary: {accuracy}; {seconds:.0f} s in this command. Run folder {run_dir}: metrics.jsonl, "
-            f"completions.jsonl, checkpoints/, tensorboard/; charts: gspo-megatron plot {run_dir} "
+            f"completions.jsonl, checkpoints/, tensorboard/; charts: {cli_command()} plot {run_dir} "
             f"(PNGs in {run_dir}/plots)")
