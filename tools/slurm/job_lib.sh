@@ -10,7 +10,7 @@
 # trap forwards SIGUSR1 to srun (srun passes it on to every process of the step: measured with Slurm
 # 22.05, grandchildren included), and the shell waits again until the step really ends. The trainer sees
 # the signal through gspo_megatron.trainer.preemption.PreemptionFlag, checkpoints and exits 0; the script
-# then requeues the job, which resumes from that checkpoint with --resume.
+# then requeues the job, which resumes from that checkpoint (train --resume-or-start).
 
 GSPO_PREEMPTED=0
 GSPO_SIGNALS_SEEN=0
