@@ -58,7 +58,8 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     # every bad setting is named here, once, before torchrun or any rank starts
     config = load_config(args.config, args.overrides)
     check_model_folders(config, args.config)
-    check_world_size(config.parallel, args.nproc if launch.launcher == "single" else launch.world_size)
+    local = launch.launcher == "single"
+    check_world_size(config.parallel, args.nproc if local else launch.world_size, local=local)
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
     if args.resume and not args.resume_or_start:
         from gspo_megatron.trainer.run_dir import check_resume_target

@@ -161,3 +161,20 @@ def test_the_command_is_its_plain_name_when_the_venv_is_on_path(tmp_path):
     assert cli_command(path_env=bin_dir, cwd=str(tmp_path)) == "gspo-megatron"
     assert cli_command(path_env="/usr/bin:/bin", cwd=str(tmp_path)) == os.path.join(bin_dir, "gspo-megatron")
     assert cli_command(path_env="/usr/bin:/bin", cwd=bin_dir) == "./gspo-megatron"
+
+
+def test_an_unknown_key_gets_a_did_you_mean_and_its_yaml_line(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(DEMO.read_text().replace("train:\n", "train:\n  stpes: 3\n", 1))
+    line = config.read_text().splitlines().index("  stpes: 3") + 1
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert str(err.value).startswith(f"{config}:{line}: train.stpes: unknown field, did you mean 'steps'? (known fields:")
+    with pytest.raises(ConfigError) as err:  # an override has no line; a far-off name no guess
+        load_config(DEMO, ["rollout.zzz=1"])
+    assert str(err.value).startswith("rollout.zzz: unknown field (known fields:")
+    nested = tmp_path / "n.yaml"
+    nested.write_text(DEMO.read_text() + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(nested, ["rewards.terms=[{name: math, wieght: 2}]"])
+    assert str(err.value).startswith("rewards.terms[0].wieght: unknown field, did you mean 'weight'?")
