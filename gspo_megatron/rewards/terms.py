@@ -49,6 +49,17 @@ class RewardSetupError(RuntimeError):
     """A reward term cannot be built (bad import path, not callable, ...): raised at start-up."""
 
 
+def import_failure(err: BaseException) -> str:
+    """``Type: message (file:line)`` of an error raised while importing a user's module, at the user's line: a
+    SyntaxError's own file and line (its traceback ends in the import machinery, ``<frozen importlib...>``),
+    else the deepest frame outside the import machinery."""
+    if isinstance(err, SyntaxError) and err.filename:
+        return f"{type(err).__name__}: {err.msg} ({err.filename}:{err.lineno})"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith("<frozen ")]
+    at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(err).__name__}: {err}{at}"
+
+
 def import_function(path: str, where: str, import_dirs: Sequence[str] = ()) -> Callable[..., Any]:
     """``module:function`` imported with ``import_dirs`` first on the import path (rewards.import_dirs)."""
     import sys
@@ -63,9 +74,7 @@ def import_function(path: str, where: str, import_dirs: Sequence[str] = ()) -> C
         looked = f" (looked in {', '.join(import_dirs)} and the Python path)" if import_dirs else ""
         raise RewardSetupError(f"{where}: cannot import module {module_name!r}: {err}{looked}") from err
     except Exception as err:  # noqa: BLE001 - the user's module failed while importing: name it and where
-        frame = traceback.extract_tb(err.__traceback__)[-1]
-        raise RewardSetupError(f"{where}: importing {module_name!r} failed: {type(err).__name__}: {err} "
-                               f"({frame.filename}:{frame.lineno})") from err
+        raise RewardSetupError(f"{where}: importing {module_name!r} failed: {import_failure(err)}") from err
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         raise RewardSetupError(f"{where}: {module_name!r} has no callable {attr!r}")

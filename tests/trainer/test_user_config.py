@@ -178,3 +178,13 @@ def test_an_unknown_key_gets_a_did_you_mean_and_its_yaml_line(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(nested, ["rewards.terms=[{name: math, wieght: 2}]"])
     assert str(err.value).startswith("rewards.terms[0].wieght: unknown field, did you mean 'weight'?")
+
+
+def test_a_reward_modules_syntax_error_names_its_file_and_line(tmp_path):
+    """Not `<frozen importlib._bootstrap>`: a SyntaxError's traceback ends in the import machinery."""
+    (tmp_path / "typo_reward.py").write_text("import math\n\ndef f(sample, response:\n    return 1.0\n")
+    path = _user_config(tmp_path, rewards={"terms": [{"name": "typo_reward:f"}]})
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith("rewards.terms[0].name: importing 'typo_reward' failed: SyntaxError: ")
+    assert str(err.value).endswith(f"({tmp_path / 'typo_reward.py'}:3)"), str(err.value)
