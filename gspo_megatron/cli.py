@@ -60,8 +60,8 @@ def _progress(saved: int | None, steps: int | None) -> str:
 def resume_run_dir(base: Path) -> tuple[Path, str]:
     """The demo run ``--resume`` continues, and why: the newest (last modified) unfinished one of ``base``,
     ``base-2``, ... (a run is finished when its newest checkpoint is at its train.steps); a new folder
-    (``fresh_run_dir``) when every run is finished or there is none. The why names the unfinished runs it leaves alone: older demo
-    runs, and runs in other folders beside them (``--run-dir`` continues those)."""
+    (``fresh_run_dir``) when every run is finished or there is none. The why names the unfinished runs it
+    leaves alone: older demo runs, and runs in other folders beside them (``--run-dir`` continues those)."""
     beside = [p for p in base.parent.iterdir() if p.is_dir()] if base.parent.is_dir() else []
     demo_runs = [p for p in beside if p == base or p.name.removeprefix(f"{base.name}-").isdigit()]
     unfinished = sorted(((u, p) for p in demo_runs if (u := _unfinished(p)) is not None),
@@ -70,7 +70,8 @@ def resume_run_dir(base: Path) -> tuple[Path, str]:
     elsewhere = (f"; not demo folders, left alone (continue one with demo --resume --run-dir DIR): "
                  f"{', '.join(str(p) for p in others)}" if others else "")
     if not unfinished:
-        why = (f"every demo run under {base.parent} is finished" if demo_runs else f"no earlier demo run under {base.parent}")
+        why = (f"every demo run under {base.parent} is finished" if demo_runs
+               else f"no earlier demo run under {base.parent}")
         return fresh_run_dir(base), why + "; starting a new run" + elsewhere
     (_, saved, steps), folder = unfinished[0]
     older = "".join(f"; older unfinished run left alone: {p} ({_progress(s, n)})" for (_, s, n), p in unfinished[1:])

@@ -135,7 +135,8 @@ def defined_at(fn: Callable[..., Any]) -> str:
 
 def _error(err: BaseException, term: Term) -> Outcome:
     """The error outcome of ``term`` on one response: the message (500 characters) and the traceback."""
-    where = f"term {term.key!r}: function {getattr(term.fn, '__qualname__', term.fn)!r} defined at {defined_at(term.fn)}"
+    name = getattr(term.fn, "__qualname__", term.fn)
+    where = f"term {term.key!r}: function {name!r} defined at {defined_at(term.fn)}"
     text = "".join(traceback.format_exception(err))
     return Outcome(None, f"{type(err).__name__}: {err}"[:500], traceback=f"{where}\n{text}"[-20000:])
 

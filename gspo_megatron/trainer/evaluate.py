@@ -48,7 +48,8 @@ def check_checkpoint_path(checkpoint: Path) -> None:
     listed = ", ".join(str(p) for p in found[-5:]) + (f" (and {len(found) - 5} older)" if len(found) > 5 else "")
     there = f"; the checkpoints in {near}: {listed}" if found else ""
     if not checkpoint.exists():
-        raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder{there or f' (and no checkpoint in {near})'}")
+        none = f" (and no checkpoint in {near})"
+        raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder{there or none}")
     if found:
         raise FileNotFoundError(f"--checkpoint {checkpoint}: a run folder, not a checkpoint{there}")
     raise FileNotFoundError(f"--checkpoint {checkpoint}: no gspo_meta.json: not a checkpoint folder "

@@ -3,7 +3,8 @@
 Three checks in ``train_step``: a reward term that counts must not fail on every response of a batch, nor on
 most of them batch after batch (step 2, ``check_reward_failures``); the group advantages (step 3) must be
 finite; and at least one mini-batch's update (step 6) must have been applied. A reward that raises scores 0:
-when it always does, every advantage is 0 and the run would train on nothing and exit 0. A single skipped update (one NaN gradient) is contained and counted
+when it always does, every advantage is 0 and the run would train on nothing and exit 0. A single skipped
+update (one NaN gradient) is contained and counted
 (``faults/skipped_updates``); a step where *every* update is skipped would repeat forever on the same data
 and exit 0 having trained nothing.
 """
