@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate.add_arguments(sub.add_parser("eval", help="pass@1 / pass@k of a checkpoint on held-out prompts"))
     sub.add_parser("convert", help="checkpoint conversion (see `gspo-megatron convert -h`)", add_help=False)
-    from gspo_megatron.data import prepare
+    from gspo_megatron.trainer import prepare
 
     prepare.add_arguments(sub.add_parser(
         "prepare", help="a GSM8K/MATH-like dataset (JSONL, Parquet, save_to_disk folder) as prompt JSONL",
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return plot.main(rest)
     if args.command == "prepare":
-        from gspo_megatron.data import prepare
+        from gspo_megatron.trainer import prepare
 
         return run_reporting_errors("prepare", lambda: prepare.run(args))
     if args.command == "convert":

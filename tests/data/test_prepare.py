@@ -85,6 +85,6 @@ def test_nothing_convertible_writes_nothing_and_says_why(tmp_path):
                                                   ("a \\boxed{2} then \\boxed{x^{2}}", "boxed", "x^{2}"),
                                                   (" 17 ", "field", "17")])
 def test_answer_rules(text, rule, expected):
-    from gspo_megatron.data.prepare import convert_row
+    from gspo_megatron.trainer.prepare import convert_row
 
     assert convert_row({"q": "p", "a": text}, "q", "a", rule, "{prompt}")["answer"] == expected

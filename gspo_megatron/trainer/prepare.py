@@ -16,6 +16,8 @@ output is written to a temporary file beside ``--out`` and renamed, so a failed 
 """
 from __future__ import annotations
 
+# in the trainer layer: it reads rows with data/readers.py and \boxed{} answers as rewards/math.py does
+
 import argparse
 import dataclasses
 import json
