@@ -1,4 +1,4 @@
-"""`gspo-megatron` command line: train, demo, convert, eval, plot, smoke.
+"""`gspo-megatron` command line: train, demo, convert, eval, plot, prepare, smoke.
 
 Errors print one line: ``gspo-megatron COMMAND: error: ...``. Exit status 2: bad input (our own error
 types and OS errors, which name the file, key or field); 1: an unexpected error (the line names the
@@ -42,26 +42,40 @@ def _run_progress(folder: Path) -> tuple[int | None, int | None]:
     return (max(saved) if saved else None), steps
 
 
+def _unfinished(folder: Path) -> tuple[float, int | None, int | None] | None:
+    """(last change, newest saved step, train.steps) of an unfinished run folder; None when it is finished
+    (its newest checkpoint at its train.steps) or holds no run."""
+    if not ((folder / "config.yaml").is_file() or (folder / "checkpoints").is_dir()):
+        return None
+    saved, steps = _run_progress(folder)
+    if steps is not None and saved is not None and saved >= steps:
+        return None
+    return max([folder.stat().st_mtime] + [p.stat().st_mtime for p in folder.iterdir()]), saved, steps
+
+
+def _progress(saved: int | None, steps: int | None) -> str:
+    return f"saved at step {saved} of {steps}" if saved is not None else "no checkpoint yet: starts over"
+
+
 def resume_run_dir(base: Path) -> tuple[Path, str]:
     """The demo run ``--resume`` continues, and why: the newest (last modified) unfinished one of ``base``,
-    ``base-2``, ... (a run is finished when its newest checkpoint is at its train.steps); ``base`` when
-    every run is finished or there is none."""
-    folders = [p for p in base.parent.glob(f"{base.name}*")
-               if p.is_dir() and (p == base or p.name.removeprefix(f"{base.name}-").isdigit())]
-    unfinished = []
-    for folder in folders:
-        saved, steps = _run_progress(folder)
-        if steps is None or saved is None or saved < steps:
-            when = max([folder.stat().st_mtime] + [p.stat().st_mtime for p in folder.iterdir()])
-            unfinished.append((when, folder, saved, steps))
+    ``base-2``, ... (a run is finished when its newest checkpoint is at its train.steps); a new folder
+    (``fresh_run_dir``) when every run is finished or there is none. The why names the unfinished runs it
+    leaves alone: older demo runs, and runs in other folders beside them (``--run-dir`` continues those)."""
+    beside = [p for p in base.parent.iterdir() if p.is_dir()] if base.parent.is_dir() else []
+    demo_runs = [p for p in beside if p == base or p.name.removeprefix(f"{base.name}-").isdigit()]
+    unfinished = sorted(((u, p) for p in demo_runs if (u := _unfinished(p)) is not None),
+                        key=lambda x: x[0][0], reverse=True)
+    others = sorted(p for p in beside if p not in demo_runs and _unfinished(p) is not None)
+    elsewhere = (f"; not demo folders, left alone (continue one with demo --resume --run-dir DIR): "
+                 f"{', '.join(str(p) for p in others)}" if others else "")
     if not unfinished:
-        why = (f"every run under {base.parent} is finished" if folders else f"no earlier run under {base.parent}")
-        return base, why + "; nothing newer to continue"
-    _, folder, saved, steps = max(unfinished, key=lambda u: u[0])
-    at = f"saved at step {saved} of {steps}" if saved is not None else "no checkpoint yet: starts over"
-    others = len(unfinished) - 1
-    return folder, (f"the newest unfinished run ({at})"
-                    + (f"; {others} older unfinished run(s) left alone" if others else ""))
+        why = (f"every demo run under {base.parent} is finished" if demo_runs
+               else f"no earlier demo run under {base.parent}")
+        return fresh_run_dir(base), why + "; starting a new run" + elsewhere
+    (_, saved, steps), folder = unfinished[0]
+    older = "".join(f"; older unfinished run left alone: {p} ({_progress(s, n)})" for (_, s, n), p in unfinished[1:])
+    return folder, f"continuing the newest unfinished run ({_progress(saved, steps)})" + older + elsewhere
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate.add_arguments(sub.add_parser("eval", help="pass@1 / pass@k of a checkpoint on held-out prompts"))
     sub.add_parser("convert", help="checkpoint conversion (see `gspo-megatron convert -h`)", add_help=False)
+    from gspo_megatron.trainer import prepare
+
+    prepare.add_arguments(sub.add_parser(
+        "prepare", help="a GSM8K/MATH-like dataset (JSONL, Parquet, save_to_disk folder) as prompt JSONL",
+        description=prepare.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 
@@ -107,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("train", "demo"):
         from gspo_megatron.trainer.entry import run_training
 
+        # argparse takes the positional overrides once: those after a later flag (`a=1 --resume b=2`) come back
+        # unparsed, and would be dropped silently
+        unknown = [a for a in rest if a.startswith("-") or "=" not in a]
+        if unknown:
+            parser.error(f"{args.command}: unrecognized arguments: {' '.join(unknown)}")
+        args.overrides = [*args.overrides, *rest]
+
         if args.command == "demo":
             args.config = args.config or str(REPO_EXAMPLES / "cpu_demo.yaml")
             argv = ["train", "--config", args.config, *argv[1:]]
@@ -116,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"gspo-megatron demo: run folder {args.run_dir}", flush=True)
             elif args.run_dir is None:
                 folder, why = resume_run_dir(Path("runs") / Path(args.config).stem)
-                args.run_dir = str(folder)
-                argv += ["--run-dir", args.run_dir]
-                print(f"gspo-megatron demo --resume: continuing {args.run_dir}: {why}", flush=True)
+                args.run_dir, args.resume_or_start = str(folder), True  # nothing to continue: a new run
+                argv += ["--run-dir", args.run_dir, "--resume-or-start"]
+                print(f"gspo-megatron demo --resume: {args.run_dir}: {why}", flush=True)
         return run_reporting_errors(args.command, lambda: run_training(args, argv))
     if args.command == "eval":
         from gspo_megatron.trainer import evaluate
@@ -132,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         from gspo_megatron.trainer import plot
 
         return plot.main(rest)
+    if args.command == "prepare":
+        from gspo_megatron.trainer import prepare
+
+        return run_reporting_errors("prepare", lambda: prepare.run(args))
     if args.command == "convert":
         from gspo_megatron.conversion import cli as convert_cli
 

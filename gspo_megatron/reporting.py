@@ -8,6 +8,7 @@ At the bottom of the package so that every command line (``cli``, ``conversion/c
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -17,6 +18,31 @@ from typing import Callable
 
 EXIT_CRASH, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 DEBUG_ENV = "GSPO_DEBUG"  # set from --debug, so torchrun's ranks inherit it
+
+
+def cli_command(path_env: str | None = None, cwd: str | None = None) -> str:
+    """How to type ``gspo-megatron`` so that a printed command runs as printed, in a new shell too.
+
+    ``gspo-megatron`` when that name on PATH (``path_env``, default $PATH) is this interpreter's own script;
+    else the script beside ``sys.executable`` (a venv that is not activated: ``.venv/bin/gspo-megatron``,
+    relative to ``cwd`` when inside it); else, not installed as a script, ``python -m gspo_megatron.cli``
+    with this interpreter."""
+    cwd = cwd or os.getcwd()
+    bin_dir = os.path.dirname(sys.executable)  # not resolved: a venv's python is a link to the base one
+    script = os.path.join(bin_dir, "gspo-megatron")
+    on_path = shutil.which("gspo-megatron", path=os.environ.get("PATH", "") if path_env is None else path_env)
+    if on_path and os.path.exists(script) and os.path.samefile(on_path, script):
+        return "gspo-megatron"
+
+    def shown(path: str) -> str:
+        rel = os.path.relpath(path, cwd)
+        if rel.startswith(".."):
+            return path
+        return rel if os.sep in rel else f".{os.sep}{rel}"  # a bare name would be looked up on PATH
+
+    if os.access(script, os.X_OK):
+        return shown(script)
+    return f"{shown(sys.executable)} -m gspo_megatron.cli"
 
 
 def quiet_known_warnings() -> None:

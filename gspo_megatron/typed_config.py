@@ -28,6 +28,15 @@ def fail(path: str, message: str) -> None:
     raise ConfigError(f"{path}: {message}")
 
 
+def unknown_field(path: str, name: str, known) -> None:
+    """Refuse the unknown field ``name`` at ``path``, with the closest known name when one is near (a typo)."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(known), n=1)
+    guess = f", did you mean {close[0]!r}?" if close else ""
+    fail(path, f"unknown field{guess} (known fields: {sorted(known)})")
+
+
 def check(condition: bool, path: str, message: str) -> None:
     """Raise ``ConfigError`` naming ``path`` when ``condition`` is false (used in ``validate()``)."""
     if not condition:
@@ -109,7 +118,7 @@ def build(cls: type[T], mapping: Mapping[str, Any] | None, path: str = "") -> T:
     unknown = sorted(set(mapping) - names)
     prefix = f"{path}." if path else ""
     if unknown:
-        fail(f"{prefix}{unknown[0]}", f"unknown field (known fields: {sorted(names)})")
+        unknown_field(f"{prefix}{unknown[0]}", unknown[0], names)
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in mapping:
@@ -151,7 +160,7 @@ def field_at(cls: type, dotted: str) -> Any:
         hints = get_type_hints(section)
         walked += f".{part}" if walked else part
         if part not in hints:
-            fail(walked, f"unknown field (known fields: {sorted(hints)})")
+            unknown_field(walked, part, hints)
         annotation = hints[part]
     return annotation
 

@@ -27,7 +27,7 @@ def _heavy_imports(argv, cwd=None) -> tuple[list[str], str]:
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["demo", "--help"], ["eval", "--help"],
                                   ["smoke", "--help"], ["convert", "--help"], ["convert", "megatron-to-hf", "--help"],
-                                  ["plot", "--help"]], ids=" ".join)
+                                  ["plot", "--help"], ["prepare", "--help"]], ids=" ".join)
 def test_help_does_not_import_torch(argv):
     heavy, out = _heavy_imports(argv)
     assert heavy == [], (argv, heavy)

@@ -72,7 +72,7 @@ def _unknown_fields(keys) -> list[str]:
         try:
             field_at(TrainConfig, key)
         except ConfigError as err:
-            unknown.append(str(err).split(" (known")[0])
+            unknown.append(re.split(r", did you mean| \(known", str(err))[0])
     return unknown
 
 

@@ -20,7 +20,8 @@ HEADER = """# Configuration reference
 One YAML file, one typed tree (`gspo_megatron/trainer/config.py`); every field below can also be set on
 the command line as `section.field=value` (YAML syntax for the value, e.g. `train.steps=40`,
 `data.train_files=[a.jsonl,b.jsonl]`). Unknown fields, wrong types and out-of-range values stop the run at
-start-up with a message naming the dotted field. The resolved config is saved as `RUN_DIR/config.yaml`.
+start-up with a message naming the dotted field; an unknown field also gets the closest known name and, when
+it is in the config file, its line (`c.yaml:41: train.stpes: unknown field, did you mean 'steps'? ...`). The resolved config is saved as `RUN_DIR/config.yaml`.
 
 Paths: one rule for every path field (`data.train_files`, `data.eval_files`, `model.hf_dir`,
 `model.tokenizer_dir`, `rewards.import_dirs`): a relative path is relative to the config file's folder,

@@ -58,10 +58,10 @@ PAPER = {"gspo_clip_frac": 0.15, "grpo_clip_frac": 0.0013, "routing_drift": 0.10
 # ---- run -------------------------------------------------------------------------------------------------
 
 def run_one(run_dir: Path, overrides: list[str], env: dict, init_from: Path | None = None) -> float:
-    """One ``gspo-megatron train`` run (``--resume``: a run cut short continues from its newest checkpoint,
+    """One ``gspo-megatron train`` run (``--resume-or-start``: a run cut short continues from its newest checkpoint,
     or starts again where it has none); returns its wall time in seconds. A failure stops everything."""
     cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(CONFIG), "--run-dir", str(run_dir),
-           "--resume", *overrides]
+           "--resume-or-start", *overrides]
     if init_from is not None:
         cmd += ["--init-from", str(init_from)]
     start = time.perf_counter()

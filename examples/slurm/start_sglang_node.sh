@@ -9,6 +9,10 @@
 # trainer's GPUs, numbered as the trainer numbers them, the servers take weights by CUDA IPC
 # (rollout.sglang.weight_sync: tensor). When any server
 # exits, the others are stopped and this script exits with that server's status; srun then ends the step.
+#
+# The interpreter is GSPO_SGLANG_PYTHON: the multi-node sbatch script sets it from the config's
+# rollout.sglang.launch.python (tools/slurm/job_lib.sh gspo_start_sglang_step), the same setting the trainer
+# uses when it launches servers itself; unset, GSPO_PYTHON, then `python`.
 set -uo pipefail
 if [ $# -ne 6 ]; then
     echo "usage: $0 MODEL_PATH SERVERS TP_SIZE BASE_PORT MEM_FRACTION LOG_DIR" >&2
@@ -19,7 +23,7 @@ HOST=$(hostname)
 mkdir -p "$LOG_DIR"
 pids=()
 for ((i = 0; i < SERVERS; i++)); do
-    "${GSPO_PYTHON:-python}" -m sglang.launch_server \
+    "${GSPO_SGLANG_PYTHON:-${GSPO_PYTHON:-python}}" -m sglang.launch_server \
         --model-path "$MODEL_PATH" --host 0.0.0.0 --port $((BASE_PORT + i)) \
         --tp-size "$TP_SIZE" --base-gpu-id $((i * TP_SIZE)) \
         --mem-fraction-static "$MEM_FRACTION" --enable-memory-saver --skip-tokenizer-init \

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from pathlib import Path
 
 EXIT_OK, EXIT_CHECK_FAILED = 0, 3  # bad input (2) and crashes (1): gspo_megatron.cli
 
@@ -119,6 +120,9 @@ def _run(args: argparse.Namespace) -> int:
                                      progress=not args.no_progress,
                                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         print(f"wrote {out}")
+        note = offline.missing_tokenizer_note(Path(args.hf_dir))
+        if note is not None:
+            print(note)
         return 0
     if args.command == "megatron-to-hf":
         out = offline.megatron_to_hf(args.megatron_dir, args.out, args.hf_template, args.max_shard_bytes,

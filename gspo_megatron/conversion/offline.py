@@ -386,6 +386,17 @@ def _has_tokenizer(folder: Path | None) -> bool:
                                                                              "vocab.json"))
 
 
+def missing_tokenizer_note(hf_dir: Path) -> str | None:
+    """What a converted checkpoint of ``hf_dir`` will need when that folder has no tokenizer: its ``hf/``
+    folder then holds none, and the export refuses without one (``megatron_to_hf``); said at conversion time,
+    when the tokenizer's folder is still known."""
+    if _has_tokenizer(hf_dir):
+        return None
+    return (f"note: {hf_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json): exporting this "
+            "checkpoint (convert megatron-to-hf) will need --hf-template with a folder that has one, or "
+            "--weights-only; training from it, model.tokenizer_dir")
+
+
 def template_source(megatron_dir: Path, hf_template: Path | None) -> tuple[Path | None, str]:
     """The folder whose config / generation config / tokenizer files an export copies, and where it came from:
     ``--hf-template``, else the checkpoint's own ``hf/`` folder (a converted checkpoint), else the run's

@@ -70,6 +70,11 @@ class RewardConfig:
     max_print_bytes: what the reward functions may print per scored batch (workers' stdout and stderr, an
         in-process reward's ``print``), all together; the rest is cut, one log line says how much
         (``rewards/print_cut_bytes``; gspo_megatron/print_cap.py).
+    stop_failure_fraction: a training batch in which a term with weight != 0 fails (error or timeout) on more
+        than this fraction of its responses is a failing batch for that term.
+    stop_after_failing_batches: this many failing batches of one term in a row stop the run (0: never); a batch
+        in which such a term fails on every response stops it at once (trainer/finite.py). The stop names the
+        term and writes each term's first traceback to the run folder (reward_failures.log).
     """
 
     terms: list[RewardTermConfig] = dataclasses.field(default_factory=lambda: [RewardTermConfig("math")])
@@ -81,6 +86,8 @@ class RewardConfig:
     code: CodeRewardConfig = dataclasses.field(default_factory=CodeRewardConfig)
     import_dirs: list[str] = dataclasses.field(default_factory=list)
     max_print_bytes: int = 65536
+    stop_failure_fraction: float = 0.5
+    stop_after_failing_batches: int = 3
 
     def validate(self, path: str) -> None:
         check(len(self.terms) > 0, f"{path}.terms", "needs at least one reward term")
@@ -93,6 +100,10 @@ class RewardConfig:
         check(self.async_chunk_size >= 1, f"{path}.async_chunk_size", "must be >= 1")
         check(self.startup_timeout_s > 0, f"{path}.startup_timeout_s", "must be > 0")
         check(self.max_print_bytes >= 0, f"{path}.max_print_bytes", f"must be >= 0, got {self.max_print_bytes}")
+        check(0 <= self.stop_failure_fraction < 1, f"{path}.stop_failure_fraction",
+              f"must be in [0, 1) (every response failing stops the run anyway), got {self.stop_failure_fraction}")
+        check(self.stop_after_failing_batches >= 0, f"{path}.stop_after_failing_batches",
+              f"must be >= 0 (0: never), got {self.stop_after_failing_batches}")
 
 
 __all__ = ["BUILTIN_TERMS", "RewardConfig", "RewardTermConfig"]

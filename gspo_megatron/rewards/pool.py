@@ -159,6 +159,9 @@ class RewardPool:
         self.recent_errors: collections.deque[str] = collections.deque(maxlen=20)
         self._prints = PrintCap(cfg.max_print_bytes, "the reward functions' output", "rewards.max_print_bytes")
         self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._prints)
+        # each term's first failure in this pool's life (metric key -> its traceback, or the message of a
+        # timeout or a dead worker): what trainer/finite.py's reward check writes to the run folder
+        self.first_failures: dict[str, str] = {}
         if cfg.num_workers:
             self._workers.extend(self._spawn() for _ in range(cfg.num_workers))
             deadline = time.monotonic() + cfg.startup_timeout_s
@@ -363,9 +366,11 @@ class RewardPool:
             elif outcome.timed_out:
                 counts[f"rewards/{key}/timeouts"] += 1
                 self.recent_errors.append(f"{key}: {outcome.error}")
+                self.first_failures.setdefault(key, f"term {key!r}: {outcome.error}")
             else:
                 counts[f"rewards/{key}/errors"] += 1
                 self.recent_errors.append(f"{key}: {outcome.error}")
+                self.first_failures.setdefault(key, outcome.traceback or f"term {key!r}: {outcome.error}")
         totals = [sum(t.weight * per_term[k][i] for k, t in enumerate(self.cfg.terms)) for i in range(n)]
         correct = [response_correct([results.get((k, i)) for k in range(len(self.cfg.terms))], self.cfg.terms)
                    for i in range(n)]
@@ -376,6 +381,7 @@ class RewardPool:
             metrics[f"rewards/{key}/timeouts"] = float(counts.pop(f"rewards/{key}/timeouts", 0))
         metrics.update({k: float(v) for k, v in counts.items()})
         metrics["rewards/mean"] = sum(totals) / n if n else 0.0
+        metrics["rewards/responses"] = float(n)  # the failure fractions' denominator (trainer/finite.py)
         metrics["rewards/errors"] = sum(metrics[f"rewards/{t.metric_key}/errors"] for t in self.cfg.terms)
         metrics["rewards/timeouts"] = sum(metrics[f"rewards/{t.metric_key}/timeouts"] for t in self.cfg.terms)
         metrics["rewards/worker_restarts"] = float(stats["worker_restarts"])

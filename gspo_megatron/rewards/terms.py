@@ -31,6 +31,9 @@ class Outcome:
     error: str | None = None
     timed_out: bool = False
     out_of_range: bool = False  # the reward lay outside the term's declared range (RewardTermConfig.range)
+    # an error's traceback, headed by where the term's function is defined (the user's file and line even
+    # when our check of its return value raised); the trainer writes each term's first to the run folder
+    traceback: str | None = None
 
 
 @dataclasses.dataclass
@@ -44,6 +47,17 @@ class Term:
 
 class RewardSetupError(RuntimeError):
     """A reward term cannot be built (bad import path, not callable, ...): raised at start-up."""
+
+
+def import_failure(err: BaseException) -> str:
+    """``Type: message (file:line)`` of an error raised while importing a user's module, at the user's line: a
+    SyntaxError's own file and line (its traceback ends in the import machinery, ``<frozen importlib...>``),
+    else the deepest frame outside the import machinery."""
+    if isinstance(err, SyntaxError) and err.filename:
+        return f"{type(err).__name__}: {err.msg} ({err.filename}:{err.lineno})"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith("<frozen ")]
+    at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(err).__name__}: {err}{at}"
 
 
 def import_function(path: str, where: str, import_dirs: Sequence[str] = ()) -> Callable[..., Any]:
@@ -60,9 +74,7 @@ def import_function(path: str, where: str, import_dirs: Sequence[str] = ()) -> C
         looked = f" (looked in {', '.join(import_dirs)} and the Python path)" if import_dirs else ""
         raise RewardSetupError(f"{where}: cannot import module {module_name!r}: {err}{looked}") from err
     except Exception as err:  # noqa: BLE001 - the user's module failed while importing: name it and where
-        frame = traceback.extract_tb(err.__traceback__)[-1]
-        raise RewardSetupError(f"{where}: importing {module_name!r} failed: {type(err).__name__}: {err} "
-                               f"({frame.filename}:{frame.lineno})") from err
+        raise RewardSetupError(f"{where}: importing {module_name!r} failed: {import_failure(err)}") from err
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         raise RewardSetupError(f"{where}: {module_name!r} has no callable {attr!r}")
@@ -110,8 +122,23 @@ def _as_verdict(value: Any) -> Verdict:
     return verdict
 
 
-def _error(err: BaseException) -> Outcome:
-    return Outcome(None, f"{type(err).__name__}: {err}"[:500])
+def defined_at(fn: Callable[..., Any]) -> str:
+    """``file:line`` of a term's function (partials and callable objects unwrapped), or its repr."""
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    if not (inspect.isfunction(target) or inspect.ismethod(target)):
+        target = type(target).__call__
+    code = getattr(inspect.unwrap(target), "__code__", None)  # builtins and C functions have none
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else repr(fn)
+
+
+def _error(err: BaseException, term: Term) -> Outcome:
+    """The error outcome of ``term`` on one response: the message (500 characters) and the traceback."""
+    name = getattr(term.fn, "__qualname__", term.fn)
+    where = f"term {term.key!r}: function {name!r} defined at {defined_at(term.fn)}"
+    text = "".join(traceback.format_exception(err))
+    return Outcome(None, f"{type(err).__name__}: {err}"[:500], traceback=f"{where}\n{text}"[-20000:])
 
 
 async def _one_async(term: Term, item: Item, timeout_s: float) -> Outcome:
@@ -120,7 +147,7 @@ async def _one_async(term: Term, item: Item, timeout_s: float) -> Outcome:
     except asyncio.TimeoutError:
         return Outcome(None, f"timed out after {timeout_s} s", timed_out=True)
     except Exception as err:  # a failing reward scores 0 and is counted, it never stops training
-        return _error(err)
+        return _error(err, term)
 
 
 async def _many_async(term: Term, items: Sequence[Item], timeout_s: float) -> list[Outcome]:
@@ -145,7 +172,7 @@ def _batched(term: Term, items: Sequence[Item], timeout_s: float, limits: InProc
     except RewardInterrupted as err:
         return [Outcome(None, f"batch {err}", timed_out=True)] * len(items)
     except Exception as err:  # the whole batch scores 0 and is counted
-        return [_error(err)] * len(items)
+        return [_error(err, term)] * len(items)
 
 
 def evaluate(term: Term, items: Sequence[Item], timeout_s: float,
@@ -165,9 +192,9 @@ def evaluate(term: Term, items: Sequence[Item], timeout_s: float,
         except RewardInterrupted as err:
             outcomes.append(Outcome(None, f"{err} (after up to {timeout_s:g} s, in process)", timed_out=True))
         except Exception as err:  # a failing reward scores 0 and is counted, it never stops training
-            outcomes.append(_error(err))
+            outcomes.append(_error(err, term))
     return outcomes
 
 
-__all__ = ["Item", "Outcome", "RewardSetupError", "Term", "build_term", "build_terms", "evaluate",
+__all__ = ["Item", "Outcome", "RewardSetupError", "Term", "build_term", "build_terms", "defined_at", "evaluate",
            "import_function"]

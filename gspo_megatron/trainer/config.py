@@ -349,10 +349,27 @@ def check_partial(config: "TrainConfig") -> None:
              if t.max_staleness >= lag else "") + f"train.max_staleness to {age}")
 
 
-def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
+def smallest_world(parallel: ParallelConfig) -> int:
+    """The fewest processes the layout runs on: both grids (TP x PP x CP and ETP x EP x PP) divide it."""
+    import math
+
+    return math.lcm(parallel.tensor_parallel * parallel.pipeline_parallel * parallel.context_parallel,
+                    parallel.expert_tensor_parallel_size * parallel.expert_parallel * parallel.pipeline_parallel)
+
+
+def check_world_size(parallel: ParallelConfig, world_size: int, local: bool = False) -> None:
     """The layout fits ``world_size`` processes (checked before any rank starts: Megatron's own check is a
-    traceback in every rank): TP x PP x CP divides it, and so does ETP x EP x PP (the expert grid)."""
-    parallel.data_parallel(world_size)
+    traceback in every rank): TP x PP x CP divides it, and so does ETP x EP x PP (the expert grid).
+    ``local``: the processes are ``--nproc``'s, so the refusal names the ``--nproc`` that fits."""
+    smallest = smallest_world(parallel)
+    if world_size % smallest == 0:
+        return
+    fits = -(-world_size // smallest) * smallest
+    hint = f"; this layout runs on a multiple of {smallest} processes" + (f": --nproc {fits}" if local else "")
+    try:
+        parallel.data_parallel(world_size)  # its message names the grid that does not divide
+    except ConfigError as err:
+        raise ConfigError(f"{err}{hint}") from None
 
 
 def check_reward_imports(rewards: RewardConfig) -> None:
@@ -497,12 +514,14 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     """Read YAML ``path`` (relative data paths are resolved against the file's folder), apply
     ``overrides``, build and validate."""
     data: dict = {}
+    text = ""
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
+        text = path.read_text()
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.safe_load(text)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)  # absent on YAML errors without a position
             where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -518,7 +537,47 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     if not isinstance(data.get("model"), dict):
         raise ConfigError("model: required section is missing (model.hf_dir: a Hugging Face folder, or model.config: "
                           "an inline architecture as in examples/cpu_demo.yaml)")
-    return build(TrainConfig, data, "")
+    try:
+        return build(TrainConfig, data, "")
+    except ConfigError as err:
+        line = unknown_key_line(str(err), text, overrides)
+        if line is None:
+            raise
+        raise ConfigError(f"{path}:{line}: {err}") from None
+
+
+def yaml_key_line(text: str, dotted: str) -> int | None:
+    """The 1-based line of the key ``dotted`` (``a.b``, ``rewards.terms[0].wieght``) in the YAML ``text``;
+    None when the text does not hold it."""
+    import re
+
+    node, line = yaml.compose(text), None
+    for part in re.findall(r"\[\d+\]|[^.\[\]]+", dotted):
+        if part.startswith("["):
+            index = int(part[1:-1])
+            if not isinstance(node, yaml.SequenceNode) or index >= len(node.value):
+                return None
+            node = node.value[index]
+            continue
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        match = [(k, v) for k, v in node.value if k.value == part]
+        if not match:
+            return None
+        line, node = match[0][0].start_mark.line + 1, match[0][1]
+    return line
+
+
+def unknown_key_line(message: str, text: str, overrides) -> int | None:
+    """For an "unknown field" ConfigError (``message``), the config file's line of that key; None for other
+    errors and for a key an override set (its line in the file, if any, is not where the value came from)."""
+    key, _, rest = message.partition(": ")
+    if not rest.startswith("unknown field") or not text:
+        return None
+    from_overrides = [".".join(parse_override(o)[0]) for o in overrides]
+    if any(key == k or key.startswith((f"{k}.", f"{k}[")) for k in from_overrides):
+        return None
+    return yaml_key_line(text, key)
 
 
 # path fields, relative to the config file's folder (command-line overrides too): one rule for all

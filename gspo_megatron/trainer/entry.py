@@ -14,7 +14,12 @@ def add_train_arguments(parser: argparse.ArgumentParser, config_required: bool =
     parser.add_argument("--config", required=config_required, help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.steps=10")
     parser.add_argument("--run-dir", default=None, help="output folder (default: runs/<config name>)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --run-dir from its newest checkpoint; refused when the folder holds "
+                             "no run (a mistyped --run-dir)")
+    parser.add_argument("--resume-or-start", action="store_true",
+                        help="continue the run in --run-dir if it holds one, else start it there (a Slurm job's line: "
+                             "its first start and every requeue)")
     parser.add_argument("--init-from", default=None, metavar="CHECKPOINT",
                         help="start from this checkpoint's policy weights (a training or converted checkpoint): "
                              "step 0, a fresh optimizer, no warm start; --resume still takes the run's own newest")
@@ -62,8 +67,14 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
     # every bad setting is named here, once, before torchrun or any rank starts
     config = load_config(args.config, args.overrides)
     check_model_folders(config, args.config)
-    check_world_size(config.parallel, args.nproc if launch.launcher == "single" else launch.world_size)
+    local = launch.launcher == "single"
+    check_world_size(config.parallel, args.nproc if local else launch.world_size, local=local)
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
+    if args.resume and not args.resume_or_start:
+        from gspo_megatron.trainer.run_dir import check_resume_target
+
+        check_resume_target(run_dir)  # a mistyped folder must not start a new run
+    args.resume = args.resume or args.resume_or_start
     if args.resume:
         from gspo_megatron.trainer.resume import check_before_start
         from gspo_megatron.typed_config import to_dict
@@ -98,13 +109,31 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
         trainer.close()
         parallel.destroy()
     if launch.rank == 0:
-        print(run_summary(run_dir, time.monotonic() - started), flush=True)
+        # a stopped run says how to continue it (our own torchrun launch: with the --nproc it was given)
+        own_launch = os.environ.get(processes.DIE_WITH_PARENT_ENV) == "1" and launch.launcher == "torchrun"
+        resume = resume_command(argv, launch.world_size if own_launch else 1) if stopped_by else None
+        print(run_summary(run_dir, time.monotonic() - started, resume), flush=True)
     # a stop signal saves and exits 0 (Slurm's requeue reads that), Ctrl-C 130 like any interrupted command
     return EXIT_INTERRUPTED if stopped_by == "SIGINT" else 0
 
 
-def run_summary(run_dir: Path, seconds: float) -> str:
-    """The closing paragraph: held-out accuracy at the first and the last evaluation, time, where things are."""
+def resume_command(argv: list[str], nproc: int) -> str:
+    """The command line that continues this run, typed as it runs in a new shell (``reporting.cli_command``):
+    ``argv`` (this command's arguments, ``train ... --run-dir RUN``) with ``--nproc nproc`` (when > 1) and
+    ``--resume``."""
+    import shlex
+
+    from gspo_megatron.reporting import cli_command
+
+    args = [a for i, a in enumerate(argv) if not (a.startswith("--nproc") or (i and argv[i - 1] == "--nproc"))]
+    args += (["--nproc", str(nproc)] if nproc > 1 else []) + ([] if "--resume" in args else ["--resume"])
+    return f"{cli_command()} {shlex.join(args)}"
+
+
+def run_summary(run_dir: Path, seconds: float, resume: str | None = None) -> str:
+    """The closing paragraph: held-out accuracy at the first and the last evaluation, time, where things are;
+    ``resume``: the command that continues a stopped run."""
+    from gspo_megatron.reporting import cli_command
     from gspo_megatron.trainer.metrics_log import metrics_path, read_metrics
 
     records = read_metrics(metrics_path(run_dir)) if metrics_path(run_dir).exists() else []
@@ -116,5 +145,5 @@ def run_summary(run_dir: Path, seconds: float) -> str:
     else:
         accuracy = "fewer than two held-out evaluations"
     return (f"summary: {accuracy}; {seconds:.0f} s in this command. Run folder {run_dir}: metrics.jsonl, "
-            f"completions.jsonl, checkpoints/, tensorboard/; charts: gspo-megatron plot {run_dir} "
-            f"(PNGs in {run_dir}/plots)")
+            f"completions.jsonl, checkpoints/, tensorboard/; charts: {cli_command()} plot {run_dir} "
+            f"(PNGs in {run_dir}/plots)" + (f"\nresume: {resume}" if resume else ""))

@@ -29,6 +29,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "required for a converted checkpoint)")
 
 
+def saved_checkpoints(run_or_checkpoints: Path) -> list[Path]:
+    """The complete checkpoints (``step_*`` folders holding gspo_meta.json) of a run folder or of its
+    ``checkpoints/`` folder, oldest first."""
+    folder = run_or_checkpoints / "checkpoints" if (run_or_checkpoints / "checkpoints").is_dir() else run_or_checkpoints
+    return sorted(p for p in folder.glob("step_*") if (p / "gspo_meta.json").is_file())
+
+
+def check_checkpoint_path(checkpoint: Path) -> None:
+    """Refuse a ``--checkpoint`` that is no checkpoint folder, naming the checkpoints that exist nearby: of
+    the run folder given instead of a checkpoint, or beside a mistyped step (its nearest existing folder)."""
+    if (checkpoint / "gspo_meta.json").is_file():
+        return
+    near = checkpoint
+    while not near.is_dir() and near != near.parent:
+        near = near.parent
+    found = saved_checkpoints(near)
+    listed = ", ".join(str(p) for p in found[-5:]) + (f" (and {len(found) - 5} older)" if len(found) > 5 else "")
+    there = f"; the checkpoints in {near}: {listed}" if found else ""
+    if not checkpoint.exists():
+        none = f" (and no checkpoint in {near})"
+        raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder{there or none}")
+    if found:
+        raise FileNotFoundError(f"--checkpoint {checkpoint}: a run folder, not a checkpoint{there}")
+    raise FileNotFoundError(f"--checkpoint {checkpoint}: no gspo_meta.json: not a checkpoint folder "
+                            "(RUN_DIR/checkpoints/step_NNNNNN, or a converted one), or an incomplete one")
+
+
 def check_out_path(out: Path) -> None:
     """Refuse an unusable ``--out`` before spending the evaluation on it."""
     if out.is_dir():
@@ -117,6 +144,7 @@ def evaluate_checkpoint(config, checkpoint_dir: Path) -> tuple[dict[str, float],
 
 
 def run_eval(args: argparse.Namespace) -> dict:
+    check_checkpoint_path(Path(args.checkpoint))  # before torch's import: a typo is answered at once
     from gspo_megatron import processes
     from gspo_megatron.megatron import parallel
     from gspo_megatron.trainer.launch_env import export_for_torch, resolve_launch

@@ -19,16 +19,21 @@ to the step's own values (measured on Slurm 22.05), which is why those are read 
 trainer started there in a multi-task job would wait forever for its peers, so that is an error.
 
 Everything here is pure (a mapping in, values out) so it is tested without a cluster; the
-``python -m gspo_megatron.trainer.launch_env`` entry point prints the result for sbatch scripts.
+``python -m gspo_megatron.trainer.launch_env`` entry point prints the result for sbatch scripts, and
+``... launch_env sglang-python --config CONFIG [overrides]`` the interpreter that starts SGLang servers
+(``rollout.sglang.launch.python``: one setting for servers the trainer launches and those an sbatch script's
+``start_sglang_node.sh`` starts).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Mapping
 
 Launcher = Literal["single", "torchrun", "slurm"]
@@ -365,10 +370,35 @@ def gloo_socket_ifname(environ: Mapping[str, str]) -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": nccl}
 
 
-def _main(argv: list[str]) -> int:
-    import os
+def sglang_python(data: Mapping, default: str) -> str:
+    """The interpreter that starts SGLang servers: ``rollout.sglang.launch.python`` of the config mapping
+    ``data`` (YAML with overrides applied, not validated: an sbatch script's config names ``urls``, and the
+    ``launch`` section may hold only ``python``), ``~`` expanded as the trainer's own launch expands it
+    (rollout/sglang_engine.py), else ``default`` (the trainer's interpreter)."""
+    launch = (((data.get("rollout") or {}).get("sglang") or {}).get("launch") or {})
+    python = launch.get("python") or ""
+    return os.path.expanduser(python) if python else default
 
-    usage = "usage: python -m gspo_megatron.trainer.launch_env {show|rendezvous}"
+
+def _sglang_python_command(argv: list[str]) -> int:
+    """``sglang-python --config CONFIG [dotted.key=value ...]``: print ``sglang_python`` of that config."""
+    import yaml
+
+    from gspo_megatron.trainer.config import apply_overrides
+
+    if len(argv) < 2 or argv[0] != "--config":
+        print("usage: python -m gspo_megatron.trainer.launch_env sglang-python --config CONFIG [dotted.key=value ...]",
+              file=sys.stderr)
+        return 2
+    data = apply_overrides(yaml.safe_load(Path(argv[1]).read_text()) or {}, argv[2:])
+    print(sglang_python(data, sys.executable))
+    return 0
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] == ["sglang-python"]:
+        return _sglang_python_command(argv[1:])
+    usage = "usage: python -m gspo_megatron.trainer.launch_env {show|rendezvous|sglang-python --config CONFIG ...}"
     if len(argv) != 1 or argv[0] not in ("show", "rendezvous"):
         print(usage, file=sys.stderr)
         return 2

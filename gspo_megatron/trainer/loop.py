@@ -32,7 +32,7 @@ from gspo_megatron.rollout.agent_loop import tool_metrics
 from gspo_megatron.trainer import checkpointing, completions
 from gspo_megatron.trainer import components as parts
 from gspo_megatron.trainer.config import TrainConfig, check_resumable, save_config
-from gspo_megatron.trainer.finite import check_advantages, check_some_update_applied
+from gspo_megatron.trainer.finite import check_advantages, check_reward_failures, check_some_update_applied
 from gspo_megatron.trainer.metrics_log import truncate_after
 from gspo_megatron.trainer.preemption import StoppedUpdate, fits_in_grace
 from gspo_megatron.trainer.resume import resume_changes
@@ -89,6 +89,7 @@ class Trainer:
         self.preemption = PreemptionFlag()
         self.preemption.install()
         self.step = 0
+        self.reward_streaks: dict[str, int] = {}  # failing batches in a row per reward term (trainer/finite.py)
         # where a stop left the run (trainer/preemption.py): the metrics of step self.step still to be
         # evaluated and logged (None: none), the rest of an update stopped between mini-batches, whether a
         # signal stopped the run in its warm start, the step last saved and how long saves take
@@ -168,6 +169,8 @@ class Trainer:
         adv = group_advantages(rewards, estimator=cfg.loss.advantage_estimator, eps=cfg.loss.advantage_eps,
                                batch_norm=cfg.loss.advantage_batch_norm)
         check_advantages(rewards, adv.advantages, cfg.rewards.terms, self.step + 1)
+        self.reward_streaks = check_reward_failures(rollout.reward_metrics, cfg.rewards, self.reward_streaks,
+                                                    self.step + 1, self.rewards.first_failures, self.run_dir, self.rank)
         replay = cfg.train.routing_replay  # off | r2 (old-policy forward's experts) | r3 (the engine's) | auto
         seqs = _training_sequences(rollout.groups, adv.advantages, with_routing=replay in ("r3", "auto"),
                                    keep=rollout.keep)

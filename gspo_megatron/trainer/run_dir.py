@@ -3,9 +3,11 @@
 * A fresh ``train`` (no ``--resume``) refuses a run directory that already holds something: it would mix
   the old run's checkpoints and metrics with the new run's. (We refuse rather than pick a new numbered
   folder: the user named the folder, scripts read it, and a silent ``run_dir.1`` would hide the mistake.)
-* ``--resume`` continues the run the directory holds (its newest complete checkpoint); in a directory
-  without a checkpoint it starts that run from the beginning (so a requeued Slurm job can always pass
-  ``--resume``).
+* ``--resume`` continues the run the directory holds (its newest complete checkpoint; a run that saved none
+  yet starts from its beginning). A directory that holds no run (missing, empty: a mistyped ``--run-dir``)
+  is refused, naming the runs beside it, rather than silently starting a new run.
+* ``--resume-or-start`` continues the run the directory holds, or starts it when there is none: a Slurm job
+  passes it, so its first start and every requeue (before the first checkpoint too) run the same line.
 * While a run uses the directory, ``RUN_DIR/.lock`` names its main process (pid, host, boot id and start
   time). A second ``train`` on the directory is refused naming the holder; a lock whose holder is gone (same
   host; the pid not running, or now another process's) is taken over with a warning.
@@ -100,6 +102,24 @@ def check_fresh_start(run_dir: Path) -> None:
                           f"another --run-dir (or delete that folder)")
 
 
+def holds_a_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run: its config.yaml (written once a run's set-up succeeded) or checkpoints."""
+    return (run_dir / "config.yaml").is_file() or (run_dir / "checkpoints").is_dir()
+
+
+def check_resume_target(run_dir: Path) -> None:
+    """``--resume`` continues an existing run: refuse a folder that holds none, naming the runs beside it."""
+    if holds_a_run(run_dir):
+        return
+    parent = run_dir.parent
+    runs = sorted(str(p) for p in parent.iterdir() if p.is_dir() and holds_a_run(p)) if parent.is_dir() else []
+    beside = (f"; runs in {parent}: {', '.join(runs[:10])}" + (f" (+{len(runs) - 10} more)" if len(runs) > 10 else "")
+              if runs else f"; no run in {parent}")
+    what = "no such folder" if not run_dir.exists() else "holds no run (no config.yaml, no checkpoints)"
+    raise RunDirError(f"--resume: {run_dir}: {what}{beside}. To start a new run there drop --resume; a job that "
+                      "starts or continues the same run (a Slurm requeue) passes --resume-or-start")
+
+
 def claim(run_dir: Path, resume: bool) -> RunDirLock:
     """Lock ``run_dir`` for this run and check that a fresh start does not reuse an earlier run's folder."""
     lock = RunDirLock(run_dir)
@@ -134,4 +154,5 @@ def on_main_rank(fn, is_main: bool):
     return result
 
 
-__all__ = ["INPUTS_DIR", "LOCK_NAME", "RunDirError", "RunDirLock", "check_fresh_start", "claim", "on_main_rank"]
+__all__ = ["INPUTS_DIR", "LOCK_NAME", "RunDirError", "RunDirLock", "check_fresh_start", "check_resume_target",
+           "claim", "holds_a_run", "on_main_rank"]

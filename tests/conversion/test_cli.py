@@ -84,3 +84,20 @@ def test_check_on_spawned_ranks_prints_no_warning_and_one_loading_bar(folders):
     import re
 
     assert len(re.findall(r"Loading weights:\s+0%", done.stderr)) <= 1, done.stderr  # a bar starts at 0%
+
+
+def test_hf_to_megatron_of_a_folder_without_a_tokenizer_says_what_an_export_will_need(folders, capsys):
+    import shutil
+
+    root, hf, _ = folders
+    bare = shutil.copytree(hf, root / "no_tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink()
+    assert cli.main(["hf-to-megatron", "--hf-dir", str(bare), "--out", str(root / "meg_bare"), "--no-progress"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"wrote {root / 'meg_bare'}",
+                   f"note: {bare} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json): exporting this "
+                   f"checkpoint (convert megatron-to-hf) will need --hf-template with a folder that has one, or "
+                   f"--weights-only; training from it, model.tokenizer_dir"], out
+    assert cli.main(["hf-to-megatron", "--hf-dir", str(hf), "--out", str(root / "meg_tok"), "--no-progress"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"wrote {root / 'meg_tok'}"]  # with a tokenizer: no note

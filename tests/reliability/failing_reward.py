@@ -33,3 +33,8 @@ def loud(sample, response):
     sys.stdout.write("o" * (4 << 20) + "\n")
     sys.stderr.write("e" * (4 << 20) + "\n")
     return 1.0
+
+
+def returns_text(sample, response):
+    """A reward that returns a string, not a number: every response fails the term."""
+    return "1.0"

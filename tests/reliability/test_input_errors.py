@@ -145,9 +145,11 @@ def test_train_refuses_an_hf_dir_whose_tensors_are_not_its_declared_dtype(tmp_pa
 
 @pytest.mark.parametrize("nproc, override, message", [
     ("1", "parallel.expert_parallel=2", "parallel.expert_tensor_parallel x expert_parallel x pipeline_parallel = "
-                                        "1 x 2 x 1 = 2 must divide the world size 1 (Megatron's expert grid)"),
+                                        "1 x 2 x 1 = 2 must divide the world size 1 (Megatron's expert grid); "
+                                        "this layout runs on a multiple of 2 processes: --nproc 2"),
     ("3", "parallel.tensor_parallel=2", "parallel: world size 3 is not divisible by tensor_parallel x pipeline_parallel "
-                                        "x context_parallel = 2"),
+                                        "x context_parallel = 2; this layout runs on a multiple of 2 processes: "
+                                        "--nproc 4"),
 ])
 def test_a_layout_that_does_not_fit_the_processes_is_refused_before_any_rank_starts(tmp_path, nproc, override, message):
     proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(DEMO), "--run-dir",

@@ -40,6 +40,8 @@ def test_a_signal_in_the_warm_start_saves_it_and_the_resume_continues_it(tmp_pat
     finally:
         proc.kill()
         kill_tagged(tag)
+    if sig != signal.SIGHUP:  # the summary ends with the command that continues the run; it runs as printed
+        _run_the_printed_resume_command(out, run_dir, overrides, env, meta["warm_start"]["step"], nproc)
     if nproc == 1 and sig == signal.SIGHUP:  # the resume continues the warm start (once is enough)
         resumed = subprocess.run(train_command(run_dir, *WARM, "sft.steps=" + str(meta["warm_start"]["step"] + 2),
                                                resume=True), cwd=REPO, env=env, capture_output=True, text=True,
@@ -51,6 +53,28 @@ def test_a_signal_in_the_warm_start_saves_it_and_the_resume_continues_it(tmp_pat
         # the warm start's losses: one per sft step, the stopped run's kept and continued, none twice
         losses = (run_dir / "sft_metrics.jsonl").read_text().splitlines()
         assert [json.loads(line)["step"] for line in losses] == list(range(1, meta["warm_start"]["step"] + 3))
+
+
+def _run_the_printed_resume_command(out, run_dir, overrides, env, saved_sft_step, nproc):
+    import shlex
+
+    printed = [line.removeprefix("resume: ").strip() for line in out if line.startswith("resume: ")]
+    assert len(printed) == 1, "".join(out[-30:])
+    # the same arguments, --nproc included (the ranks run without it, under our own torchrun)
+    assert shlex.split(printed[0])[1:] == train_command(run_dir, *overrides, nproc=nproc, resume=True)[3:], printed[0]
+    _, tag = tagged_env()
+    resumed = subprocess.Popen(["bash", "-c", printed[0]], cwd=REPO, env={**env, "GSPO_RELIABILITY_TAG": tag},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in iter(resumed.stdout.readline, ""):
+            if f"(in the warm start, sft step {saved_sft_step})" in line:
+                break
+        else:
+            raise AssertionError(f"the printed command did not resume the run (exit {resumed.wait()})")
+    finally:
+        resumed.kill()
+        kill_tagged(tag)
+        resumed.wait()
 
 
 def test_sigterm_stops_a_run_whose_in_process_reward_hangs(tmp_path):

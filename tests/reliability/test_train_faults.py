@@ -168,14 +168,16 @@ def test_a_resume_on_other_training_data_is_refused_with_exit_2(run_dir, tmp_pat
 
 def test_a_reward_too_large_for_the_advantages_is_a_counted_failure_naming_its_term(tmp_path):
     """A finite reward of 1e300 (float32 advantages: inf - inf = NaN) is refused per response like a reward
-    that raises: scored 0, counted, the warning names the term; training goes on and no update is skipped."""
+    that raises: scored 0, counted, the warning names the term. Refused on every response, it stops the run as
+    any term failing everywhere does, naming the term and the refusal, not the NaN advantages."""
     run_dir = tmp_path / "run"
     huge = "rewards.terms=[{name: synthetic}, {name: 'tests.reliability.failing_reward:huge'}]"
     proc = _run(train_command(run_dir, "train.steps=1", "sft.steps=0", "eval.every_steps=0", huge))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "huge: ValueError: a reward function returned 1e+300" in proc.stdout + proc.stderr, proc.stdout[-3000:]
-    step = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
-    assert step["reward/huge/errors"] == 2 * 8 and step["faults/skipped_updates"] == 0
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "rewards: 16 errors, 0 timeouts in a batch of 16; latest: huge: ValueError: a reward function returned " \
+           "1e+300" in proc.stdout + proc.stderr, proc.stdout[-3000:]
+    assert "step 1: reward term 'huge' failed on every response of the batch (huge: ValueError: a reward function " \
+           "returned 1e+300" in proc.stderr and "not finite" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_weighted_rewards_that_overflow_the_advantages_stop_the_run_naming_the_terms(tmp_path):
@@ -197,3 +199,27 @@ def test_a_step_whose_every_update_is_skipped_stops_the_run():
     check_some_update_applied([{"update_skipped": 1.0}, {"update_skipped": 0.0}], 3, 1)  # one is contained
     with pytest.raises(TrainingStopped, match="step 3: every update was skipped"):
         check_some_update_applied([{"update_skipped": 1.0}, {"update_skipped": 1.0}], 3, 2)
+
+
+@pytest.mark.parametrize("function, error", [("always_raises", "RuntimeError: verifier broken"),
+                                             ("returns_text", "TypeError: a reward function must return a number, got str")])
+def test_a_reward_that_fails_on_every_response_stops_the_run_with_its_traceback(tmp_path, function, error):
+    """A counting term that fails on every response scores 0 everywhere: the run would train on nothing and exit
+    0. It stops at the first step, naming the term, and the run folder holds the first traceback with the
+    reward's own file and line."""
+    run_dir = tmp_path / "run"
+    proc = _run(train_command(run_dir, "train.steps=3", "sft.steps=0", "eval.every_steps=0",
+                              f"rewards.terms=[{{name: synthetic}}, {{name: 'tests.reliability.failing_reward:{function}'}}]"))
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    log = run_dir / "reward_failures.log"
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"gspo-megatron train: error: TrainingStopped: step 1: reward term {function!r} failed on every response of "
+        f"the batch ({function}: {error}); the first traceback of each failing term: {log} "), proc.stderr[-3000:]
+    text = log.read_text()
+    source = REPO / "tests" / "reliability" / "failing_reward.py"
+    line = next(i for i, t in enumerate(source.read_text().splitlines(), 1) if t.startswith(f"def {function}("))
+    assert f"defined at {source}:{line}" in text and error in text, text
+    if function == "always_raises":  # the raising line itself, in the traceback
+        assert f'File "{source}", line {line + 1}, in always_raises' in text, text
+    assert not list((run_dir / "checkpoints").glob("step_*"))  # nothing trained, nothing saved

@@ -42,7 +42,7 @@ def test_cpu_demo_job(slurm_cluster: LocalSlurm, tmp_path: Path) -> None:
                             options=[f"--output={out}"], env={**_fake_python(tmp_path), "GSPO_RUN_DIR": "/tmp/x"})
     assert rc == 0, out.read_text()
     expected = ["-m", "gspo_megatron.cli", "train", "--config", "examples/cpu_demo.yaml", "--run-dir", "/tmp/x",
-                "--resume", "trainer.steps=3", "rollout.samples_per_prompt=4"]
+                "--resume-or-start", "trainer.steps=3", "rollout.samples_per_prompt=4"]
     for task in range(2):
         assert (tmp_path / f"task{task}.args").read_text().splitlines() == expected
         assert (tmp_path / f"task{task}.env").read_text().strip() == f"cwd={REPO_ROOT} ntasks=2 omp=1"

@@ -28,16 +28,22 @@ def test_resume_picks_the_newest_unfinished_run(tmp_path):
     _fake_run(base, 60, [50, 60])
     older = _fake_run(tmp_path / "cpu_demo-2", 60, [10])
     newest = _fake_run(tmp_path / "cpu_demo-3", 60, [20, 30])
-    _fake_run(tmp_path / "cpu_demo_other", 60, [10])  # another config's runs are not the demo's
+    other = _fake_run(tmp_path / "cpu_demo_other", 60, [10])  # another folder's run: named, not taken
+    _fake_run(tmp_path / "done", 60, [60])  # finished: not named
     os.utime(older / "config.yaml", (1, 1))
     os.utime(older, (1, 1))
     os.utime(older / "checkpoints", (1, 1))
     folder, why = resume_run_dir(base)
-    assert folder == newest and why == "the newest unfinished run (saved at step 30 of 60); 1 older unfinished run(s) left alone"
+    assert folder == newest
+    assert why == (f"continuing the newest unfinished run (saved at step 30 of 60); older unfinished run left alone: "
+                   f"{older} (saved at step 10 of 60); not demo folders, left alone (continue one with demo --resume "
+                   f"--run-dir DIR): {other}")
     shutil.rmtree(newest)
     shutil.rmtree(older)
+    shutil.rmtree(other)
     folder, why = resume_run_dir(base)
-    assert folder == base and "every run under" in why and "is finished" in why
+    assert folder == tmp_path / "cpu_demo-2"  # every demo run is finished: a new one, not the finished one again
+    assert why == f"every demo run under {tmp_path} is finished; starting a new run"
 
 
 @pytest.mark.slow
@@ -56,7 +62,7 @@ def test_demo_resume_after_an_interrupted_demo(tmp_path):
     out = resumed.stdout
     # the load went through DCP and ShardedTensor, whose deprecation FutureWarnings are silenced (Megatron's)
     assert "Warning" not in resumed.stderr, resumed.stderr[-3000:]
-    assert ("gspo-megatron demo --resume: continuing runs/cpu_demo-2: the newest unfinished run "
+    assert ("gspo-megatron demo --resume: runs/cpu_demo-2: continuing the newest unfinished run "
             "(saved at step 1 of 2)") in out
     assert "resumed from runs/cpu_demo-2/checkpoints/step_000001 at step 1" in out
     assert (tmp_path / "runs" / "cpu_demo-2" / "checkpoints" / "step_000002" / "gspo_meta.json").is_file()

@@ -130,3 +130,61 @@ def test_run_summary_names_start_and_end_accuracy_time_and_plots(tmp_path):
     assert text.startswith("summary: held-out greedy accuracy 0.500 at step 0 -> 0.750 at step 20 (+0.250, best 0.875); "
                            "32 s in this command.")
     assert f"gspo-megatron plot {tmp_path} (PNGs in {tmp_path}/plots)" in text
+
+
+def test_the_summarys_plot_command_runs_as_printed_in_a_shell_without_the_venv_on_path(tmp_path):
+    """A new shell has no activated venv: the printed command must not assume `gspo-megatron` is on PATH."""
+    import re
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 0, "eval_accuracy": 0.5}\n{"step": 1, "reward_mean": 0.1}\n'
+                                       '{"step": 2, "eval_accuracy": 0.75}\n')
+    bare = {**ENV, "PATH": "/usr/bin:/bin"}
+    assert not any(os.path.exists(os.path.join(d, "gspo-megatron")) for d in bare["PATH"].split(":"))
+    printed = subprocess.run([sys.executable, "-c", "from pathlib import Path; from gspo_megatron.trainer.entry import "
+                              "run_summary; print(run_summary(Path('runs/r'), 1.0))"],
+                             cwd=tmp_path, env=bare, capture_output=True, text=True, timeout=120, check=True).stdout
+    command = re.search(r"charts: (.+?) \(PNGs in", printed).group(1)
+    assert command.endswith(" plot runs/r"), printed
+    proc = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=bare, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (command, proc.stderr[-2000:])
+    assert list((run / "plots").glob("*.png")), proc.stdout
+
+
+def test_the_command_is_its_plain_name_when_the_venv_is_on_path(tmp_path):
+    from gspo_megatron.reporting import cli_command
+
+    bin_dir = os.path.dirname(sys.executable)
+    if not os.path.exists(os.path.join(bin_dir, "gspo-megatron")):
+        pytest.skip("this interpreter has no gspo-megatron script (not pip-installed)")
+    assert cli_command(path_env=bin_dir, cwd=str(tmp_path)) == "gspo-megatron"
+    assert cli_command(path_env="/usr/bin:/bin", cwd=str(tmp_path)) == os.path.join(bin_dir, "gspo-megatron")
+    assert cli_command(path_env="/usr/bin:/bin", cwd=bin_dir) == "./gspo-megatron"
+
+
+def test_an_unknown_key_gets_a_did_you_mean_and_its_yaml_line(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(DEMO.read_text().replace("train:\n", "train:\n  stpes: 3\n", 1))
+    line = config.read_text().splitlines().index("  stpes: 3") + 1
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert str(err.value).startswith(f"{config}:{line}: train.stpes: unknown field, did you mean 'steps'? (known fields:")
+    with pytest.raises(ConfigError) as err:  # an override has no line; a far-off name no guess
+        load_config(DEMO, ["rollout.zzz=1"])
+    assert str(err.value).startswith("rollout.zzz: unknown field (known fields:")
+    nested = tmp_path / "n.yaml"
+    nested.write_text(DEMO.read_text() + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(nested, ["rewards.terms=[{name: math, wieght: 2}]"])
+    assert str(err.value).startswith("rewards.terms[0].wieght: unknown field, did you mean 'weight'?")
+
+
+def test_a_reward_modules_syntax_error_names_its_file_and_line(tmp_path):
+    """Not `<frozen importlib._bootstrap>`: a SyntaxError's traceback ends in the import machinery."""
+    (tmp_path / "typo_reward.py").write_text("import math\n\ndef f(sample, response:\n    return 1.0\n")
+    path = _user_config(tmp_path, rewards={"terms": [{"name": "typo_reward:f"}]})
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith("rewards.terms[0].name: importing 'typo_reward' failed: SyntaxError: ")
+    assert str(err.value).endswith(f"({tmp_path / 'typo_reward.py'}:3)"), str(err.value)

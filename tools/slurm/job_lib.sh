@@ -10,7 +10,7 @@
 # trap forwards SIGUSR1 to srun (srun passes it on to every process of the step: measured with Slurm
 # 22.05, grandchildren included), and the shell waits again until the step really ends. The trainer sees
 # the signal through gspo_megatron.trainer.preemption.PreemptionFlag, checkpoints and exits 0; the script
-# then requeues the job, which resumes from that checkpoint with --resume.
+# then requeues the job, which resumes from that checkpoint (train --resume-or-start).
 
 GSPO_PREEMPTED=0
 GSPO_SIGNALS_SEEN=0
@@ -67,4 +67,19 @@ gspo_requeue_if_preempted() {
     # before it may start again.
     echo "job_lib: preempted; requeueing job $SLURM_JOB_ID (restart $((${SLURM_RESTART_COUNT:-0} + 1)))" >&2
     scontrol requeue "$SLURM_JOB_ID"
+}
+
+# Step 0 of a multi-node job: examples/slurm/start_sglang_node.sh on every node of the job (one srun task
+# each), in the background (its srun's pid in GSPO_SGLANG_STEP_PID). The servers run under the interpreter
+# the config names in rollout.sglang.launch.python (overrides included; default: PYTHON, the trainer's),
+# the one setting the trainer's own launch reads too.
+#   gspo_start_sglang_step PYTHON CONFIG MODEL_PATH SERVERS TP_SIZE BASE_PORT MEM_FRACTION LOG_DIR [dotted.key=value ...]
+gspo_start_sglang_step() {
+    local python=$1 config=$2 model=$3 servers=$4 tp=$5 port=$6 mem=$7 logs=$8
+    shift 8
+    GSPO_SGLANG_PYTHON=$("$python" -m gspo_megatron.trainer.launch_env sglang-python --config "$config" "$@") || return
+    echo "job_lib: SGLang servers start with $GSPO_SGLANG_PYTHON (rollout.sglang.launch.python)"
+    GSPO_SGLANG_PYTHON=$GSPO_SGLANG_PYTHON srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
+        --kill-on-bad-exit=0 examples/slurm/start_sglang_node.sh "$model" "$servers" "$tp" "$port" "$mem" "$logs" &
+    GSPO_SGLANG_STEP_PID=$!
 }
