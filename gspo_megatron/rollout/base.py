@@ -177,7 +177,7 @@ class RolloutEngine(abc.ABC):
     def healthy(self) -> bool:
         """True while the engine can serve ``generate``. The trainer asks before each weight sync in overlap
         mode (an engine process killed between requests is rebuilt there); otherwise it learns of a failed
-        engine from the exception ``generate`` raises (``Trainer._generate``)."""
+        engine from the exception ``generate`` raises (``EngineSupervisor.generate``)."""
         return True
 
     def shutdown(self) -> None:

@@ -47,7 +47,7 @@ import torch
 
 from gspo_megatron.rollout.base import Sample, SamplingParams
 
-Generate = Callable[[list[list[int]], int, SamplingParams], list[Sample]]  # Trainer._generate's signature
+Generate = Callable[[list[list[int]], int, SamplingParams], list[Sample]]  # EngineSupervisor.generate's signature
 UID_STRIDE = 1_000_003  # uid = (start step * UID_STRIDE + global prompt index) * G + sample: distinct in a run
 
 

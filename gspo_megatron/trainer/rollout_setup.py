@@ -6,7 +6,7 @@ through them. What differs by rank:
 
 - Servers: with ``rollout.sglang.urls`` every rank attaches. With ``rollout.sglang.launch`` (one node
   only) global rank 0 launches and owns them and broadcasts their URLs; the other ranks attach to those
-  URLs. A rebuild after a failure (Trainer._generate, on the failed ranks only) repeats what that rank did
+  URLs. A rebuild after a failure (EngineSupervisor.generate, on the failed ranks only) repeats what that rank did
   first, without a collective: rank 0 launches again (same ports, so the URLs stay valid), others attach.
 - Weights (every rank runs the export collective and receives the same buckets):
   * ``disk`` / ``distributed``: global rank 0 posts (one checkpoint writer; rank 0 of the NCCL group);

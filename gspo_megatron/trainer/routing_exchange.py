@@ -1,6 +1,6 @@
 """Routing Replay (R3) records travel to the data-parallel rank that trains them, not to every rank.
 
-The rollout's data-parallel gather (``Trainer._score_and_gather``) hands every rank the whole batch:
+The rollout's data-parallel gather (``schedule.rollouts.Rollouts.score_and_gather``) hands every rank the whole batch:
 prompts, responses, log-probs and rewards, which advantages, dynamic sampling and the mini-batch split need
 on every rank. The engine's routed experts are by far its largest part (num_moe_layers x top_k ids per
 token: Qwen3-30B-A3B 384 bytes a token in uint8) and a rank trains only its share of each mini-batch. So
