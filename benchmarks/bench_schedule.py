@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_trl import CONFIG, OUR_OVERRIDES, Worker, free_port, write_hf_model  # noqa: E402
+from bench_trl import CONFIG, OUR_OVERRIDES, Worker, free_port, write_hf_model, write_report  # noqa: E402
 
 
 def worktree(base: str, folder: Path) -> Path:
@@ -86,12 +86,7 @@ def main() -> None:
               "steps": steps}
     print(f"median step: base {base_rev} {median['base']:.3f} s, head {head_rev} {median['head']:.3f} s, "
           f"head / base {report['head_over_base']:.3f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(out)
-    print(f"wrote {out}")
+    write_report(Path(args.out), report)
 
 
 if __name__ == "__main__":

@@ -163,6 +163,15 @@ def emit(message: dict) -> None:
     print(MARKER + json.dumps(message), flush=True)
 
 
+def write_report(out: Path, report: dict) -> None:
+    """``report`` as JSON to ``out``, through a temporary file renamed at the end."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(out)
+    print(f"wrote {out}")
+
+
 class Worker:
     """A side's process: send ``step`` / ``stop`` on stdin, read one marker line of JSON per step. A
     thread drains its stdout (the libraries' chatter goes to ``<log>.stdout``, stderr to ``<log>``)."""
@@ -392,12 +401,7 @@ def main() -> None:
         "steps": results,
     }
     print_table(summary, batch_title(settings))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(out)
-    print(f"wrote {out}")
+    write_report(Path(args.out), report)
     if args.keep_workdir:
         print(f"kept {work}")
     else:

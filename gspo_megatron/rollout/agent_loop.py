@@ -30,11 +30,11 @@ import collections
 import dataclasses
 import json
 import re
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from gspo_megatron.rollout.base import RolloutEngine, Sample, SamplingParams
+from gspo_megatron.rollout.base import EngineDecorator, RolloutEngine, Sample, SamplingParams
 from gspo_megatron.rollout.sampling import sample_seed
 from gspo_megatron.rollout.tools import PythonRunner, ToolConfig, ToolRegistry, ToolResult
 from gspo_megatron.typed_config import check
@@ -201,7 +201,7 @@ class _Trajectory:
         self.mask += [sampled] * len(ids)
 
 
-class AgentLoop(RolloutEngine):
+class AgentLoop(EngineDecorator):
     """A ``RolloutEngine`` whose ``generate`` runs multi-turn trajectories on ``engine`` (module docstring).
 
     Weight updates, memory and shutdown pass through to ``engine``. Overlapped, it runs inside the
@@ -211,18 +211,13 @@ class AgentLoop(RolloutEngine):
 
     def __init__(self, engine: RolloutEngine, config: MultiTurnConfig, tokenizer: Any, chat_template: str | None,
                  stop_token_ids: Sequence[int] = (), run_python: PythonRunner | None = None):
-        self.engine = engine
+        super().__init__(engine)
         self.config = config
         self.tokenizer = tokenizer
         self.tools = ToolRegistry(config.tools, timeout_s=config.tool_timeout_s, run_python=run_python,
                                   max_print_bytes=config.max_print_bytes)
         self.renderer = ToolTurnRenderer(tokenizer, chat_template, config.max_tool_output_tokens)
         self.stop_token_ids = list(stop_token_ids)
-        self.releases_memory = engine.releases_memory
-
-    @property
-    def weight_version(self) -> int:  # type: ignore[override]
-        return self.engine.weight_version
 
     # ---- generation ---------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int,
@@ -319,22 +314,9 @@ class AgentLoop(RolloutEngine):
         t.stats["tool_truncated"] += int(result.truncated or cut)
         return text
 
-    # ---- pass-through ---------------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, final: bool) -> None:
-        self.engine.update_weights(named_tensors, final=final)
-
-    def release_memory(self, tags: Sequence[str] | None = None) -> None:
-        self.engine.release_memory(tags)
-
-    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
-        self.engine.resume_memory(tags)
-
-    def healthy(self) -> bool:
-        return self.engine.healthy()
-
     def shutdown(self) -> None:
         self.tools.close()
-        self.engine.shutdown()
+        super().shutdown()
 
 
 def final_turn_ids(sample: Sample) -> list[int]:

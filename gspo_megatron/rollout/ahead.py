@@ -15,24 +15,19 @@ from typing import Iterable, Sequence
 
 import torch
 
-from gspo_megatron.rollout.base import GenerationResult, RolloutEngine, Sample, SamplingParams
+from gspo_megatron.rollout.base import EngineDecorator, GenerationResult, RolloutEngine, Sample, SamplingParams
 
 
-class ThreadedEngine(RolloutEngine):
+class ThreadedEngine(EngineDecorator):
     """``engine`` with ``submit`` / ``result`` / ``cancel`` / ``wait_submitted`` on one background thread
     (module docstring); everything else passes through to ``engine``."""
 
     def __init__(self, engine: RolloutEngine):
-        self.engine = engine
-        self.releases_memory = engine.releases_memory
+        super().__init__(engine)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead")
         self._results: dict[int, concurrent.futures.Future] = {}
         self._unfinished: list[concurrent.futures.Future] = []
         self._next_id = 0
-
-    @property
-    def weight_version(self) -> int:  # type: ignore[override]
-        return self.engine.weight_version
 
     def submit(self, prompts: Sequence[Sequence[int]], samples_per_prompt: int, params: SamplingParams) -> int:
         version = self.engine.weight_version  # updates wait for this generation: it runs on these weights
@@ -67,19 +62,10 @@ class ThreadedEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, final: bool) -> None:
         self.wait_submitted()  # a generation submitted before the update runs entirely on the old weights
-        self.engine.update_weights(named_tensors, final=final)
-
-    def release_memory(self, tags: Sequence[str] | None = None) -> None:
-        self.engine.release_memory(tags)
-
-    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
-        self.engine.resume_memory(tags)
-
-    def healthy(self) -> bool:
-        return self.engine.healthy()
+        super().update_weights(named_tensors, final=final)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._results.clear()
         self._unfinished = []
-        self.engine.shutdown()
+        super().shutdown()

@@ -184,6 +184,34 @@ class RolloutEngine(abc.ABC):
         """Stop servers and free resources; safe to call twice."""
 
 
+
+class EngineDecorator(RolloutEngine):
+    """A ``RolloutEngine`` around another, ``engine``: weight updates, memory, health and shutdown pass
+    through; subclasses change ``generate`` (the multi-turn agent loop) or when it runs (``ahead.ThreadedEngine``)."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+        self.releases_memory = engine.releases_memory
+
+    @property
+    def weight_version(self) -> int:  # type: ignore[override]
+        return self.engine.weight_version
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, final: bool) -> None:
+        self.engine.update_weights(named_tensors, final=final)
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.release_memory(tags)
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.resume_memory(tags)
+
+    def healthy(self) -> bool:
+        return self.engine.healthy()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
 @runtime_checkable
 class AsyncRolloutEngine(Protocol):
     """A ``RolloutEngine`` that can also generate ahead of the trainer (``train.rollout_mode: overlap``).
