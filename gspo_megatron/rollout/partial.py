@@ -54,15 +54,21 @@ UID_STRIDE = 1_000_003  # uid = (start step * UID_STRIDE + global prompt index) 
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """The tokens of one response that one weight version sampled: token_ids [n], the engine's log-probs of
-    them [n] (the behaviour policy's), and ``version`` (the number of updates in those weights)."""
+    them [n] (the behaviour policy's), ``version`` (the number of updates in those weights) and, for Routing
+    Replay R3, ``routed_experts`` [n, num_moe_layers, top_k]: the experts those weights chose at the n
+    positions that produced the tokens (``Sample.routed_experts`` of the call that sampled them)."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     version: int
+    routed_experts: torch.Tensor | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"Segment: {len(self.token_ids)} token_ids but {len(self.logprobs)} logprobs")
+        if self.routed_experts is not None and self.routed_experts.shape[0] != len(self.token_ids):
+            raise ValueError(f"Segment: {len(self.token_ids)} token_ids but {self.routed_experts.shape[0]} rows of "
+                             "routed experts")
 
 
 def behaviour_logprobs(segments: Sequence[Segment]) -> torch.Tensor:
@@ -107,11 +113,14 @@ def continuation_seed(step_seed: int, round_index: int) -> int:
 
 @dataclasses.dataclass
 class InFlightResponse:
-    """One response of a group: its segments so far; ``finish_reason`` None while it is unfinished."""
+    """One response of a group: its segments so far; ``finish_reason`` None while it is unfinished;
+    ``prompt_routed_experts`` [P - 1, num_moe_layers, top_k]: the prompt's prefill experts from the call that
+    sampled the first segment (R3; shared by the group's responses)."""
 
     uid: int
     segments: list[Segment] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    prompt_routed_experts: torch.Tensor | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -129,19 +138,33 @@ class InFlightResponse:
             raise ValueError(f"response {self.uid}: the engine returned finish_reason {sample.finish_reason!r}")
         room = max_new_tokens - len(self)
         ids, logprobs = sample.response_ids[:room], sample.logprobs[:room]
+        routed = sample.routed_experts[:len(ids)] if sample.routed_experts is not None else None
+        if not self.segments:
+            self.prompt_routed_experts = sample.prompt_routed_experts
         if ids:
-            self.segments.append(Segment(tuple(ids), tuple(float(x) for x in logprobs), version))
+            self.segments.append(Segment(tuple(ids), tuple(float(x) for x in logprobs), version, routed))
         if sample.finish_reason == "stop" and len(sample.response_ids) <= room:
             self.finish_reason = "stop"
         elif len(self) >= max_new_tokens:
             self.finish_reason = "length"
 
+    def routed_experts(self) -> torch.Tensor | None:
+        """[T, num_moe_layers, top_k]: each segment's own records, in order, so every position replays the
+        experts of the weights that sampled the token it produced (None: not recorded)."""
+        records = [s.routed_experts for s in self.segments]
+        if not records or any(r is None for r in records):
+            return None
+        return torch.cat([r.to(records[0].dtype) for r in records])
+
     def to_sample(self, prompt_index: int) -> Sample:
-        """The finished response as the trainer's Sample: its log-probs are the behaviour log-probs."""
+        """The finished response as the trainer's Sample: its log-probs are the behaviour log-probs; under R3
+        its experts are the prompt's prefill record and the segments' own records (``routed_experts``)."""
         if self.finish_reason is None:
             raise ValueError(f"response {self.uid}: unfinished responses are not trained")
+        routed = self.routed_experts()
         return Sample(prompt_index=prompt_index, response_ids=self.token_ids,
-                      logprobs=behaviour_logprobs(self.segments).tolist(), finish_reason=self.finish_reason)
+                      logprobs=behaviour_logprobs(self.segments).tolist(), finish_reason=self.finish_reason,
+                      routed_experts=routed, prompt_routed_experts=self.prompt_routed_experts if routed is not None else None)
 
 
 @dataclasses.dataclass
@@ -265,19 +288,36 @@ class PartialRollouts:
         """The groups in flight as plain JSON data (float32 log-probs survive the float64 round trip)."""
         return [{"prompt": g.prompt.index, "slot": g.slot, "started": g.started,
                  "responses": [{"uid": r.uid, "finish_reason": r.finish_reason,
+                                "prompt_routed_experts": tensor_to_dict(r.prompt_routed_experts),
                                 "segments": [{"ids": list(s.token_ids), "logprobs": list(s.logprobs),
-                                              "version": s.version} for s in r.segments]}
+                                              "version": s.version, "routed_experts": tensor_to_dict(s.routed_experts)}
+                                             for s in r.segments]}
                                for r in g.responses]} for g in self.groups]
 
     def load_state_dict(self, state: Sequence[dict[str, Any]], dataset) -> None:
         self.groups = [InFlightGroup(dataset[int(g["prompt"])], int(g["slot"]), int(g["started"]), [
             InFlightResponse(int(r["uid"]), [Segment(tuple(int(t) for t in s["ids"]),
-                                                     tuple(float(x) for x in s["logprobs"]), int(s["version"]))
-                                             for s in r["segments"]], r["finish_reason"])
+                                                     tuple(float(x) for x in s["logprobs"]), int(s["version"]),
+                                                     tensor_from_dict(s.get("routed_experts")))
+                                             for s in r["segments"]], r["finish_reason"],
+                             tensor_from_dict(r.get("prompt_routed_experts")))
             for r in g["responses"]]) for g in state]
         if any(len(g.responses) != self.G for g in self.groups):
             raise ValueError(f"partial rollouts: the checkpoint's groups do not hold rollout.samples_per_prompt={self.G} "
                              "responses")
+
+
+def tensor_to_dict(value: torch.Tensor | None) -> dict[str, Any] | None:
+    """An integer tensor (routed expert ids) as JSON data: its dtype, shape and values."""
+    if value is None:
+        return None
+    return {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape), "values": value.reshape(-1).tolist()}
+
+
+def tensor_from_dict(data: dict[str, Any] | None) -> torch.Tensor | None:
+    if data is None:
+        return None
+    return torch.tensor(data["values"], dtype=getattr(torch, data["dtype"])).view(data["shape"])
 
 
 __all__ = ["InFlightGroup", "InFlightResponse", "PartialRollouts", "RoundCall", "Segment", "behaviour_logprobs",

@@ -320,18 +320,12 @@ class TrainConfig:
 
 
 def check_partial(config: "TrainConfig") -> None:
-    """What ``rollout.partial`` needs of the rest of the config, and the two combinations it refuses (by
-    name, with the reason; docs/training.md, "Partial rollouts")."""
+    """What ``rollout.partial`` needs of the rest of the config, and the combination it refuses (by name,
+    with the reason; docs/training.md, "Partial rollouts")."""
     r, t = config.rollout, config.train
-    refused = ((r.multi_turn is None, "rollout.multi_turn",
-                "is refused with rollout.partial: a trajectory's tool turns and turn count are not carried across "
-                "steps (the agent loop runs whole trajectories inside one engine call)"),
-               (t.routing_replay in ("off", "r2"), "train.routing_replay",
-                f"{t.routing_replay} is refused with rollout.partial: a continued response's earlier segments were "
-                "routed by older weights and the engine's records are not kept per segment, so R3 cannot replay "
-                "each segment's own experts (use r2 or off)"))
-    for ok, field, why in refused:
-        check(ok, field, f"{why} (docs/training.md, \"Partial rollouts\")")
+    check(r.multi_turn is None, "rollout.multi_turn",
+          "is refused with rollout.partial: a trajectory's tool turns and turn count are not carried across steps "
+          "(the agent loop runs whole trajectories inside one engine call; docs/training.md, \"Partial rollouts\")")
     # the ratio needs the behaviour policy of every token: as pi_old, or through truncated importance sampling
     check(r.logprobs_from == "engine" or config.loss.tis_mode != "none", "rollout.logprobs_from",
           "with rollout.partial the tokens of a response come from several weight versions: use engine (pi_old = "

@@ -106,7 +106,11 @@ def _perturb(model, seed: int) -> None:
 def test_the_transformers_engine_continues_unfinished_responses_under_new_weights():
     """Three steps of budget 3 on max_new_tokens 8: a step stops every response at 3 new tokens, the next
     continues it from its token ids under the next weights. Every segment's log-probs are the teacher-forced
-    log-probs of the weights of its version, so each token keeps the behaviour policy that drew it."""
+    log-probs of the weights of its version, so each token keeps the behaviour policy that drew it; and (R3)
+    every segment's routed experts are the ones its own version's weights choose at the positions that
+    produced its tokens, stitched after the prompt's prefill record into one replay record per response."""
+    from tests.rollout.test_hf_engine import teacher_forced_routes
+
     eng, teacher_forced = _tiny_engine()
     stop = list(range(0, 96, 19))
     prompts = [SimpleNamespace(index=i, prompt_ids=p) for i, p in enumerate([[5, 17, 3], [40, 41, 42, 43], [9]])]
@@ -116,7 +120,8 @@ def test_the_transformers_engine_continues_unfinished_responses_under_new_weight
         models[step] = {k: v.clone() for k, v in eng.model.state_dict().items()}
         if step < 2:
             pool.add(prompts[step:step + 2] if step == 0 else prompts[2:], first_slot=2 * step, step=step)
-        params = SamplingParams(max_new_tokens=8, seed=100 + step, stop_token_ids=stop, prompt_offset=2 * step)
+        params = SamplingParams(max_new_tokens=8, seed=100 + step, stop_token_ids=stop, prompt_offset=2 * step,
+                                return_routed_experts=True)
         pool.generate_round(eng.generate, params, version=step, round_index=0)
         for g in pool.groups:
             for r in g.responses:
@@ -129,16 +134,31 @@ def test_the_transformers_engine_continues_unfinished_responses_under_new_weight
     spans = [len({s.version for s in r.segments}) for g, _ in trained for r in g.responses]
     assert max(spans) == 3  # some response was written by three weight versions
     current = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    stitched_differs = False
     for g, _ in trained:
         for r in g.responses:
             assert r.finish_reason == "stop" or len(r) == 8
-            context = list(g.prompt.prompt_ids)
+            prompt = list(g.prompt.prompt_ids)
+            context = list(prompt)
             for s in r.segments:
                 eng.model.load_state_dict(models[s.version])
                 logits = teacher_forced(eng.model, context, list(s.token_ids))
                 expected = logits.log_softmax(-1).gather(-1, torch.tensor(s.token_ids)[:, None]).squeeze(-1)
                 torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=2e-5, rtol=0)
+                routes = teacher_forced_routes(eng, context, list(s.token_ids)).to(torch.int32)
+                assert torch.equal(s.routed_experts.sort(-1).values, routes.sort(-1).values)
                 context += list(s.token_ids)
+            sample = r.to_sample(g.slot)
+            whole = sample.all_routed_experts()
+            assert whole.shape[0] == len(prompt) - 1 + len(r)  # every fed position, prompt then response
+            eng.model.load_state_dict(models[r.segments[0].version])
+            first = teacher_forced_routes(eng, prompt, list(r.segments[0].token_ids), whole=True).to(torch.int32)
+            assert torch.equal(whole[:len(prompt) - 1].sort(-1).values, first[:len(prompt) - 1].sort(-1).values)
+            if len(r.segments) > 1:  # the last weights would route the earlier segments otherwise, somewhere
+                eng.model.load_state_dict(models[r.segments[-1].version])
+                last = teacher_forced_routes(eng, prompt, r.token_ids, whole=True).to(torch.int32)
+                stitched_differs |= not torch.equal(whole.sort(-1).values, last.sort(-1).values)
+    assert stitched_differs  # so the per-segment records are not what one version's forward gives
     eng.model.load_state_dict(current)
 
 
@@ -185,11 +205,9 @@ def test_config_fields_and_unsupported_combinations_are_refused_by_name():
                                           r"train\.max_staleness=1: raise the budget to at least 8 or train\.max_staleness to 2$"):
         load_config(DEMO, [*on, "train.rollout_mode=overlap", "train.max_staleness=1"])
     assert load_config(DEMO, [*on, "train.rollout_mode=overlap", "train.max_staleness=2"]).train.max_staleness == 2
-    # dynamic sampling composes with partial rollouts (trainer/schedule/partial.py); R3 is refused, with why
+    # dynamic sampling and R3 compose with partial rollouts (trainer/schedule/partial.py, rollout/partial.py)
     assert load_config(DEMO, [*on, "rollout.filter_groups=zero_variance"]).rollout.filter_groups == "zero_variance"
-    with pytest.raises(ConfigError, match=r"^train\.routing_replay: r3 is refused with rollout\.partial: "
-                                          r"a continued response's earlier segments"):
-        load_config(DEMO, [*on, "train.routing_replay=r3"])
+    assert load_config(DEMO, [*on, "train.routing_replay=r3"]).train.routing_replay == "r3"
 
 
 def test_a_partial_checkpoint_refuses_another_group_size_on_resume():

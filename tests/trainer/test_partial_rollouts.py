@@ -64,6 +64,26 @@ def test_partial_rollouts_with_dynamic_sampling_carry_refill_groups_and_resume_e
                 assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
 
 
+@pytest.mark.slow
+def test_partial_rollouts_with_r3_replay_each_segments_own_experts_and_resume_exactly(tmp_path):
+    """R3 with partial rollouts (rollout/partial.py): each segment keeps the experts its own weights chose, the
+    pool saves them, and a SIGKILLed run resumes to the same metrics (the replayed updates included)."""
+    run = [*COMMON, "train.routing_replay=r3"]
+    full = train(tmp_path / "full", *run)
+    assert sum(m["partial/multi_version_responses"] for m in full[1:]) > 0  # records stitched from two versions
+    saved = json.loads((tmp_path / "full" / "checkpoints" / "step_000002" / "gspo_meta.json").read_text())
+    carried = [r for g in saved["partial_rollouts"]["ranks"][0] for r in g["responses"] if r["segments"]]
+    assert carried and all(s["routed_experts"] is not None for r in carried for s in r["segments"])
+    assert all(r["prompt_routed_experts"] is not None for r in carried)
+    assert kill_after_checkpoint(tmp_path / "split", 2, *run) == -signal.SIGKILL
+    resumed = train(tmp_path / "split", *run, resume=True)
+    assert [m["step"] for m in resumed] == [m["step"] for m in full]
+    for a, b in zip(resumed, full):
+        for key in KEYS:
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
 OVERLAP = ["train.rollout_mode=overlap", "train.max_staleness=2"]
 
 
