@@ -164,13 +164,7 @@ class Trainer:
         clock.lap("time_rollout_s")
         self.supervisor.release_for_update(self.driver.busy_during_update)
         # 3. group advantages (Eq. 6) over whole groups
-        rewards = torch.tensor([r for g in rollout.groups for r in g.rewards],
-                               dtype=torch.float32).view(len(rollout.groups), cfg.rollout.samples_per_prompt)
-        adv = group_advantages(rewards, estimator=cfg.loss.advantage_estimator, eps=cfg.loss.advantage_eps,
-                               batch_norm=cfg.loss.advantage_batch_norm)
-        check_advantages(rewards, adv.advantages, cfg.rewards.terms, self.step + 1)
-        self.reward_streaks = check_reward_failures(rollout.reward_metrics, cfg.rewards, self.reward_streaks,
-                                                    self.step + 1, self.rewards.first_failures, self.run_dir, self.rank)
+        rewards, adv = self._advantages(rollout)
         replay = cfg.train.routing_replay  # off | r2 (old-policy forward's experts) | r3 (the engine's) | auto
         seqs = _training_sequences(rollout.groups, adv.advantages, with_routing=replay in ("r3", "auto"),
                                    keep=rollout.keep)
@@ -181,8 +175,7 @@ class Trainer:
         replay, routing_metrics = self._old_logprobs(my_seqs, replay)  # auto: this step's r3 or off
         # 5. reference log-probs when the KL term is on
         if self.reference is not None:
-            for q, o in zip(my_seqs, self.reference.compute_logprobs(my_seqs)):
-                q.ref_logprobs = o["logprobs"]
+            _set_logprobs(my_seqs, "ref_logprobs", self.reference.compute_logprobs(my_seqs))
         clock.lap("time_logprobs_s")
         # 6. one optimizer step per mini-batch
         update_metrics, drift_metrics = self._update(shares, replay)
@@ -201,6 +194,19 @@ class Trainer:
         self.log_completions(rollout.groups)
         return metrics
 
+    def _advantages(self, rollout) -> tuple[torch.Tensor, object]:
+        """Step 3: the rewards [B, G] and the group advantages (Eq. 6) of the step's groups; a run whose rewards
+        cannot train (non-finite advantages, a reward term failing) stops here, naming the term."""
+        cfg = self.config
+        rewards = torch.tensor([r for g in rollout.groups for r in g.rewards],
+                               dtype=torch.float32).view(len(rollout.groups), cfg.rollout.samples_per_prompt)
+        adv = group_advantages(rewards, estimator=cfg.loss.advantage_estimator, eps=cfg.loss.advantage_eps,
+                               batch_norm=cfg.loss.advantage_batch_norm)
+        check_advantages(rewards, adv.advantages, cfg.rewards.terms, self.step + 1)
+        self.reward_streaks = check_reward_failures(rollout.reward_metrics, cfg.rewards, self.reward_streaks,
+                                                    self.step + 1, self.rewards.first_failures, self.run_dir, self.rank)
+        return rewards, adv
+
     def _shares(self, seqs: list[TrainSequence], with_routing: bool) -> list[list[TrainSequence]]:
         """Step 3's mini-batches, each cut into this rank's share; under R3 every rank receives the engine's
         experts of the sequences it trains (trainer/routing_exchange.py)."""
@@ -214,7 +220,7 @@ class Trainer:
         """The schedule's metrics: staleness (clip fractions by staleness when overlapped), filter/overlong,
         overlap timing or partial-rollout counts, and the reward terms."""
         out = {"staleness": float(rollout.staleness), **rollout.metrics, **reward_metric_keys(rollout.reward_metrics)}
-        if self.config.train.rollout_mode == "overlap":
+        if self.driver.busy_during_update:  # overlapped: the clip fractions by the batch's age
             out.update({f"{k}/staleness{rollout.staleness}": v for k, v in metrics.items() if k.startswith("clip_frac")})
         return out
 
@@ -256,8 +262,7 @@ class Trainer:
             metrics["routing_replay_active"] = float(replay == "r3")
             if replay == "r3":
                 old = self.policy.compute_logprobs(seqs, replay=True)
-        for q, o in zip(seqs, old):
-            q.old_logprobs = o["logprobs"]
+        _set_logprobs(seqs, "old_logprobs", old)
         if replay == "r2":
             self.policy.record_routing(seqs, recorder)
         return replay, metrics
@@ -517,6 +522,12 @@ def _training_sequences(batch, advantages: torch.Tensor, with_routing: bool,
                                       routed_experts=sample.all_routed_experts() if with_routing else None,
                                       routing_key=sample.routing_key if with_routing else None, response_mask=mask))
     return [q for q in seqs if q.loss_tokens > 0]
+
+
+def _set_logprobs(seqs: list[TrainSequence], field: str, outputs: list[dict]) -> None:
+    """Each sequence's ``field`` := its log-probs from ``compute_logprobs`` ``outputs`` (one per sequence)."""
+    for q, o in zip(seqs, outputs):
+        setattr(q, field, o["logprobs"])
 
 
 def _batch_metrics(batch, rewards: torch.Tensor, zero_variance: torch.Tensor) -> dict[str, float]:

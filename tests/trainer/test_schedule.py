@@ -236,3 +236,19 @@ def test_partial_rollouts_compose_with_dynamic_sampling():
     assert len({g.key for g in inner.pool.groups}) == len(inner.pool.groups)  # refill slots never collide
     informative = [g for g in out.groups if max(g.rewards) != min(g.rewards)]
     assert len(informative) == min(P, len(out.groups)) or out.metrics["filter/underfilled"] == 1.0
+
+
+def test_filling_wraps_the_sync_driver_with_extra_rounds_and_says_so(capsys):
+    """Dynamic sampling around the synchronous schedule: zero-variance groups are replaced by extra rounds of
+    fresh prompts (each round's prompts follow the last's), with a progress line per round."""
+    supervisor, rollouts = make([ScriptedEngine()])
+    driver = FillingDriver(SyncDriver(rollouts), BatchFiller(P, 1, "zero_variance", max_generation_rounds=4),
+                           progress=True)
+    out = driver.step_groups(0)
+    rounds = int(out.metrics["filter/rounds"])
+    assert rounds >= 2 and out.metrics["filter/groups_generated"] == P * rounds
+    informative = [g for g in out.groups if max(g.rewards) != min(g.rewards)]
+    assert len(informative) == min(P, int(out.metrics["filter/groups_generated"] - out.metrics["filter/groups_dropped"]))
+    assert [g.prompt.index for g in informative] == sorted(g.prompt.index for g in informative)  # round order
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [f"step 1: dynamic sampling round {r + 1}/4" for r in range(1, rounds)]
