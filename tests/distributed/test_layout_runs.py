@@ -11,19 +11,14 @@ gradient does not depend on the split (tested per mini-batch in tests/megatron/t
 One spawn per world size serves all its layouts, run one after another in the same processes. The 4-
 and 8-process runs are `slow` (2 steps each; 8 ranks on 2 cores take minutes).
 """
-import json
 from pathlib import Path
 
 import pytest
 
 from gspo_megatron.megatron.spawn import run_distributed
+from tests.runs import TOL, train_layouts as _train_layouts
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
-# tiny and quick: 8 prompts x 4 samples, 2 mini-batches, a short warm start so rewards are not all zero
-COMMON = ["sft.steps=40", "sft.batch_size=32", "train.prompts_per_step=8", "rollout.samples_per_prompt=4",
-          "train.minibatches_per_step=2", "eval.every_steps=2", "eval.num_prompts=8", "eval.pass_k=1",
-          "checkpoint.every_steps=0", "logging.console=false", "logging.tensorboard=false",
-          "rollout.temperature=0.8"]
 OVERLAP = ["train.rollout_mode=overlap"]  # the engine in its own process, batches one update stale
 LAYOUTS = {
     1: {"single": [], "single_overlap": OVERLAP},
@@ -47,34 +42,6 @@ CP_LAYOUTS_4 = {"cp2_tp2": ["parallel.context_parallel=2", "parallel.tensor_para
                 "cp2_ep2": ["parallel.context_parallel=2", "parallel.expert_parallel=2"],
                 "cp2_dp2": ["parallel.context_parallel=2"],
                 "cp2_pp2": ["parallel.context_parallel=2", "parallel.pipeline_parallel=2"]}
-# Float32 sums in another order, amplified by the warm start's 40 Adam steps (a gradient element near
-# Adam's eps moves its weight by up to a whole step): measured on this config at 2 processes, grad norms
-# agree to <= 1e-3 relative, losses (~3e-4) to <= 1.3e-6 absolute, sequence ratios to <= 1.7e-4.
-# Different weights or responses (Megatron's own initialisation, a rank-dependent sampling seed) move
-# the rewards themselves, which must be identical.
-TOL = {"grad_norm": dict(rel=3e-3, abs=0.0), "pg_loss": dict(rel=0.0, abs=5e-6), "loss": dict(rel=0.0, abs=5e-6),
-       "seq_ratio_mean": dict(rel=0.0, abs=5e-4), "clip_frac_seq": dict(rel=0.0, abs=0.02)}
-
-
-def _train_layouts(rank, world_size, base_dir, layouts, steps, config=str(DEMO)):
-    """Train every layout of ``layouts`` in turn (``config`` with COMMON and the layout's overrides); rank 0
-    returns each run's metrics.jsonl records."""
-    from gspo_megatron.trainer.config import load_config
-    from gspo_megatron.trainer.loop import Trainer
-
-    out = {}
-    for name, overrides in layouts.items():
-        run_dir = Path(base_dir) / name
-        trainer = Trainer(load_config(config, COMMON + [f"train.steps={steps}"] + overrides), run_dir)
-        try:
-            trainer.run()
-        finally:
-            trainer.close()
-        if rank == 0:
-            out[name] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return out
-
-
 def _runs(tmp_path_factory, world_size, layouts=None):
     base = tmp_path_factory.mktemp(f"layouts{world_size}")
     layouts = LAYOUTS[world_size] if layouts is None else layouts

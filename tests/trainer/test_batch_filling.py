@@ -196,16 +196,13 @@ def test_filtered_overlap_run_with_masked_overlong_resumes_exactly_after_sigkill
 # after the filter every advantage is non-zero, so the same float32 noise in the sequence ratios of mini-batch 2
 # (<= 1.7e-4, TOL) reaches the loss through every sequence: measured 6.5e-6 (1.3 %) at DP=2. A real DP error (a
 # local normaliser: 2x; other groups on one rank: other rewards, checked exactly) is far outside 3 %.
-LOSS_TOL = {"pg_loss": dict(rel=3e-2, abs=0.0), "loss": dict(rel=3e-2, abs=0.0)}
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_filtered_run_is_the_same_at_dp2(tmp_path_factory):
     """Dynamic sampling at 1 process and at DP=2: every rank sees every round's groups and keeps the same
     ones, so the refills, the rewards and the updates are those of the single process."""
     from gspo_megatron.megatron.spawn import run_distributed
-    from tests.distributed.test_layout_runs import TOL, _train_layouts
+    from tests.runs import LOSS_TOL, TOL, train_layouts as _train_layouts
 
     runs = {}
     for world in (1, 2):
@@ -229,7 +226,7 @@ def test_filtered_run_is_the_same_at_dp2(tmp_path_factory):
 def sglang_filter_worker(rank, world_size, run_dir: str, url: str, disk_dir: str) -> dict:
     from gspo_megatron.trainer.config import load_config
     from gspo_megatron.trainer.loop import Trainer
-    from tests.trainer.test_sglang_ranks import _trainer_overrides
+    from tests.runs import sglang_standin_overrides as _trainer_overrides
 
     trainer = Trainer(load_config(DEMO_CONFIG, _trainer_overrides([url], disk_dir, "train.steps=1", "rollout.overlong=mask",
                                                                   *FILTER)), run_dir)

@@ -148,7 +148,7 @@ def sglang_partial_worker(rank, world_size, run_dir: str, url: str, disk_dir: st
                           steps: int = 2) -> list[dict]:
     from gspo_megatron.trainer.config import load_config
     from gspo_megatron.trainer.loop import Trainer
-    from tests.trainer.test_sglang_ranks import _trainer_overrides
+    from tests.runs import sglang_standin_overrides as _trainer_overrides
 
     config = load_config(DEMO, _trainer_overrides([url], disk_dir, f"train.steps={steps}", "rollout.partial=true",
                                                   "rollout.partial_token_budget=2", "rollout.logprobs_from=engine",
@@ -195,8 +195,8 @@ def test_overlap_partial_run_is_the_same_at_dp2(tmp_path_factory):
     and makes the same engine calls in every round (its own engine process), so the counts summed over
     ranks, the rewards and the updates are those of the single process."""
     from gspo_megatron.megatron.spawn import run_distributed
-    from tests.distributed.test_layout_runs import TOL, _train_layouts
-    from tests.trainer.test_batch_filling import LOSS_TOL
+    from tests.runs import TOL, train_layouts as _train_layouts
+    from tests.runs import LOSS_TOL
 
     run = [*PARTIAL, *OVERLAP, "optimizer.lr=1e-4", "train.prompts_per_step=8", "eval.pass_k=1"]
     runs = {world: run_distributed(_train_layouts, world, (str(tmp_path_factory.mktemp(f"partial{world}")),

@@ -5,7 +5,6 @@ import base64
 import os
 import stat
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 from gspo_megatron.rollout.sglang.config import SGLangConfig
 from gspo_megatron.rollout.sglang.protocol import sample_seed
+from tests.runs import sglang_standin_overrides
 from gspo_megatron.megatron.spawn import run_distributed
 from gspo_megatron.trainer.launch_env import LaunchEnv
 from gspo_megatron.trainer.rollout_setup import (ColocatedLayout, SGLangSetupError, attach_config, colocated_layout,
@@ -225,19 +225,11 @@ def test_two_ranks_launch_once_post_once_and_colocate(tmp_path):
 SECOND_ROLLOUT_SEED = 424_242
 
 
-def _trainer_overrides(urls: list, disk_dir: str, *extra: str) -> list[str]:
-    """The demo on stand-in servers with disk sync, 4 prompts of 4 tokens per step, one prompt per request."""
-    return ["sft.steps=0", "logging.console=false", "logging.tensorboard=false", "train.prompts_per_step=4",
-            "rollout.max_new_tokens=4", "rollout.engine=sglang", f"rollout.sglang.urls=[{','.join(urls)}]",
-            "rollout.sglang.weight_sync=disk", f"rollout.sglang.disk_dir={disk_dir}",
-            "rollout.sglang.prompts_per_request=1", "rollout.sglang.backoff_s=0.01", *extra]
-
-
 def trainer_worker(rank, world_size, run_dir: str, urls: list, disk_dir: str) -> dict:
     from gspo_megatron.trainer.config import load_config
     from gspo_megatron.trainer.loop import Trainer
 
-    trainer = Trainer(load_config(DEMO, _trainer_overrides(urls, disk_dir, "train.steps=1",
+    trainer = Trainer(load_config(DEMO, sglang_standin_overrides(urls, disk_dir, "train.steps=1",
                                                            "parallel.expert_parallel=2")), run_dir)
     try:
         metrics = trainer.train_step()
@@ -302,7 +294,7 @@ def overlap_worker(rank, world_size, run_dir: str, urls: list, disk_dir: str) ->
     from gspo_megatron.trainer.config import load_config
     from gspo_megatron.trainer.loop import Trainer
 
-    trainer = Trainer(load_config(DEMO, _trainer_overrides(urls, disk_dir, "train.steps=3",
+    trainer = Trainer(load_config(DEMO, sglang_standin_overrides(urls, disk_dir, "train.steps=3",
                                                            "train.rollout_mode=overlap")), run_dir)
     try:
         ages, hidden = [], []

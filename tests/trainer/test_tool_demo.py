@@ -135,7 +135,7 @@ def test_tool_run_is_the_same_at_dp2(tmp_path_factory):
     the single process, and the losses and gradients agree: the normalisers (sequences, model tokens) are
     global, not a rank's own."""
     from gspo_megatron.megatron.spawn import run_distributed
-    from tests.distributed.test_layout_runs import TOL, _train_layouts
+    from tests.runs import TOL, train_layouts as _train_layouts
 
     runs = {}
     for world in (1, 2):
