@@ -126,17 +126,22 @@ class BatchFiller:
                    rollout.max_generation_rounds, rollout.overlong, rollout.overlong_buffer_tokens,
                    rollout.max_new_tokens)
 
-    def fill(self, first: Sequence[Group], next_round: Callable[[int], Sequence[Group]]) -> FilledBatch:
+    def fill(self, first: Sequence[Group], next_round: Callable[[int], Sequence[Group] | None]) -> FilledBatch:
         """The step's training batch from its first round ``first`` and, under dynamic sampling, as many
-        further rounds ``next_round(r)`` (r = 1, 2, ...) as it takes (module docstring)."""
+        further rounds ``next_round(r)`` (r = 1, 2, ...) as it takes (module docstring); ``next_round``
+        returns None when a stop signal came (no more rounds: ``filter/stopped_by_signal``)."""
         generated = self._shape(first)
-        rounds, informative_count = 1, None
+        rounds, informative_count, stopped = 1, None, False
         if self.filter_groups == "none":
             batch = generated
         else:
             kept = [g for g in generated if informative(g.rewards)]
             while len(kept) < self.prompts_per_step and rounds < self.max_generation_rounds:
-                more = self._shape(next_round(rounds))
+                groups = next_round(rounds)
+                if groups is None:  # a stop signal: the step trains on what it has, as when the rounds run out
+                    stopped = True
+                    break
+                more = self._shape(groups)
                 rounds += 1
                 generated += more
                 kept += [g for g in more if informative(g.rewards)]
@@ -151,6 +156,8 @@ class BatchFiller:
         if lifted:  # masking would leave a mini-batch empty: this step trains every sample
             keep = loss_keep(batch, "none")
         metrics = self._metrics(generated, batch, keep, rounds, informative_count)
+        if informative_count is not None:
+            metrics["filter/stopped_by_signal"] = float(stopped)
         if self.overlong == "mask":
             metrics["overlong/mask_lifted"] = float(lifted)
         return FilledBatch(batch, keep, generated, metrics)

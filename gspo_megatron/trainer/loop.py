@@ -84,10 +84,10 @@ class Trainer:
         score = parts.reward_scorer(self.tokenizer, self.rewards, self.routing_hold.keep, self.model_config.num_experts)
         self.rollouts = Rollouts(self.supervisor, self.prompts, self.train_data, parts.sampling_rule(config, self.tokenizer),
                                  score, self.policy.groups.data_parallel, self.dp_size, self.dp_rank)
-        self.driver = build_driver(config, self.rollouts, progress=self.is_main)
-        self.supervisor.on_restart = self.driver.resubmit
         self.preemption = PreemptionFlag()
         self.preemption.install()
+        self.driver = build_driver(config, self.rollouts, progress=self.is_main, stop_requested=self.preempted)
+        self.supervisor.on_restart = self.driver.resubmit
         self.step = 0
         self.reward_streaks: dict[str, int] = {}  # failing batches in a row per reward term (trainer/finite.py)
         # where a stop left the run (trainer/preemption.py): the metrics of step self.step still to be

@@ -38,3 +38,9 @@ def loud(sample, response):
 def returns_text(sample, response):
     """A reward that returns a string, not a number: every response fails the term."""
     return "1.0"
+
+
+def constant(sample, response):
+    """The same reward for every response: every group has zero variance, so dynamic sampling refills
+    round after round."""
+    return 1.0

@@ -104,3 +104,39 @@ def test_sigterm_stops_a_run_whose_in_process_reward_hangs(tmp_path):
     finally:
         proc.kill()
         kill_tagged(tag)
+
+
+def test_sigterm_between_dynamic_sampling_rounds_ends_the_filling_and_the_run(tmp_path):
+    """Every group has zero variance (a constant reward), so each step would refill for all of its 64 rounds:
+    SIGTERM after the first refill ends the filling (the step trains on what it has, counted in
+    filter/stopped_by_signal), and the run saves after that step and exits 0; the resume finishes the run."""
+    env, tag = tagged_env()
+    run_dir = tmp_path / "run"
+    overrides = ["train.steps=2", "sft.steps=0", "eval.every_steps=0", "rewards.num_workers=0",
+                 "rollout.filter_groups=zero_variance", "rollout.max_generation_rounds=64",
+                 "rewards.terms=[{name: 'tests.reliability.failing_reward:constant'}]"]
+    proc, out, reader = start_train(run_dir, overrides, 1, env)
+    try:
+        deadline = time.monotonic() + 300
+        while not any("dynamic sampling round 2/64" in line for line in out):
+            assert proc.poll() is None, "the run ended before its refills:\n" + "".join(out[-30:])
+            assert time.monotonic() < deadline, "no refill in time"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, "".join(out[-30:])
+        reader.join(timeout=10)
+        assert not wait_until_gone(tag, 10)
+        text = "".join(out)
+        assert "preempted: checkpoint saved at step 1; exiting (SIGTERM after step 1)" in text, text[-3000:]
+        assert not any("dynamic sampling round 64/64" in line for line in out)
+        [step1] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                   if json.loads(line)["step"] == 1]
+        assert step1["filter/stopped_by_signal"] == 1.0 and step1["filter/rounds"] < 64
+        resumed = subprocess.run(train_command(run_dir, *overrides, resume=True), cwd=REPO, env=env,
+                                 capture_output=True, text=True, timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in steps] == [0, 1, 2] and steps[-1]["filter/rounds"] == 64.0
+    finally:
+        proc.kill()
+        kill_tagged(tag)

@@ -252,3 +252,19 @@ def test_filling_wraps_the_sync_driver_with_extra_rounds_and_says_so(capsys):
     assert [g.prompt.index for g in informative] == sorted(g.prompt.index for g in informative)  # round order
     printed = capsys.readouterr().out.splitlines()
     assert printed == [f"step 1: dynamic sampling round {r + 1}/4" for r in range(1, rounds)]
+
+
+def test_a_stop_signal_ends_the_filling_between_rounds():
+    supervisor, rollouts = make([ScriptedEngine()])
+    asked = []
+
+    def stop_requested():
+        asked.append(True)
+        return len(asked) >= 2  # the signal came during the first refill
+
+    filler = BatchFiller(P, 1, "zero_variance", max_generation_rounds=64)
+    out = FillingDriver(SyncDriver(rollouts), filler, stop_requested=stop_requested).step_groups(0)
+    assert out.metrics["filter/rounds"] == 2.0 and out.metrics["filter/stopped_by_signal"] == 1.0
+    assert len(asked) == 2
+    calm = FillingDriver(SyncDriver(make([ScriptedEngine()])[1]), filler).step_groups(0)
+    assert calm.metrics["filter/stopped_by_signal"] == 0.0

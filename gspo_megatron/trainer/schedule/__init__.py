@@ -9,9 +9,9 @@ from __future__ import annotations
 from gspo_megatron.trainer.schedule.base import RolloutDriver
 
 
-def build_driver(config, rollouts, progress: bool = False) -> RolloutDriver:
+def build_driver(config, rollouts, progress: bool = False, stop_requested=lambda: False) -> RolloutDriver:
     """The run's driver: sync, overlap or partial (overlapped or not), inside batch filling (``progress``: a
-    line per dynamic-sampling round, on the main rank)."""
+    line per dynamic-sampling round, on the main rank; ``stop_requested``: a collective asked between rounds)."""
     from gspo_megatron.rollout.partial import PartialRollouts
     from gspo_megatron.trainer.batch_filling import BatchFiller
     from gspo_megatron.trainer.schedule.filling import FillingDriver
@@ -29,4 +29,5 @@ def build_driver(config, rollouts, progress: bool = False) -> RolloutDriver:
     else:
         inner = SyncDriver(rollouts)
     filler = BatchFiller.from_config(r, t)
-    return FillingDriver(inner, filler, progress=progress and filler.filter_groups != "none")
+    return FillingDriver(inner, filler, progress=progress and filler.filter_groups != "none",
+                         stop_requested=stop_requested)

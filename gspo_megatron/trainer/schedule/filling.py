@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gspo_megatron.trainer.batch_filling import BatchFiller
 from gspo_megatron.trainer.schedule.base import RolloutDriver, RolloutGroup, StepRollout
@@ -12,15 +12,18 @@ from gspo_megatron.trainer.schedule.base import RolloutDriver, RolloutGroup, Ste
 class FillingDriver(RolloutDriver):
     """``inner``'s groups through ``filler``: zero-variance groups replaced by ``inner.extra_round`` s, length
     penalties in the rewards, truncated samples out of the loss (``StepRollout.keep``). ``progress``: a
-    line per extra round on the main rank (a long fill is not silent)."""
+    line per extra round on the main rank (a long fill is not silent). ``stop_requested`` (a collective, asked
+    before every extra round): a stop signal ends the filling; the step trains on what it has and the run
+    stops after it (docs/training.md, "Dynamic sampling and overlong responses")."""
 
-    def __init__(self, inner: RolloutDriver, filler: BatchFiller, progress: bool = False):
-        self.inner, self.filler, self.progress = inner, filler, progress
+    def __init__(self, inner: RolloutDriver, filler: BatchFiller, progress: bool = False,
+                 stop_requested: Callable[[], bool] = lambda: False):
+        self.inner, self.filler, self.progress, self.stop_requested = inner, filler, progress, stop_requested
         self.owns, self.busy_during_update = inner.owns, inner.busy_during_update
 
     def step_groups(self, step: int) -> StepRollout:
         first = self.inner.step_groups(step)
-        filled = self.filler.fill(first.groups, lambda r: self.extra_round(step, r))
+        filled = self.filler.fill(first.groups, lambda r: None if self.stop_requested() else self.extra_round(step, r))
         return StepRollout(filled.batch, first.reward_metrics, first.staleness, {**first.metrics, **filled.metrics},
                            keep=filled.keep)
 
