@@ -1,0 +1,105 @@
+"""On-policy distillation end to end: a teacher of another shape and family (a tiny dense Qwen3 saved with
+transformers' own classes, beside the demo's Qwen3-MoE student) gives per-token log-probs of the student's
+samples; a run trains on the term, logs the distillation KL and resumes exactly. A teacher that cannot read
+the student's token ids, or cannot take the student's layout, is refused naming the field."""
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from gspo_megatron.data.tokenizer import demo_tokenizer_path
+from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.megatron.parallel import ParallelConfig
+from gspo_megatron.trainer.config import check_layout
+from gspo_megatron.trainer.teacher import check_same_vocabulary, teacher_source
+from gspo_megatron.typed_config import ConfigError
+
+from tests.runs import kill_after_checkpoint, train
+
+STUDENT_VOCAB = 100  # examples/cpu_demo.yaml model.config.vocab_size
+
+
+def save_teacher(folder: Path, vocab_size: int = STUDENT_VOCAB, heads: int = 2, tokenizer: Path | None = None) -> Path:
+    """A tiny dense Qwen3 (another family and width than the demo's MoE student) saved by transformers,
+    with the demo tokenizer (or ``tokenizer``'s files) beside it."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(7)
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=heads, num_key_value_heads=1, head_dim=24, max_position_embeddings=128,
+                         rope_theta=10000.0, tie_word_embeddings=False, dtype="float32")
+    Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(folder)
+    for file in Path(tokenizer or demo_tokenizer_path()).iterdir():
+        shutil.copy(file, folder / file.name)
+    return folder
+
+
+def student_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_tokenizer_path())
+
+
+def test_teacher_of_another_family_and_width_is_read_and_accepted(tmp_path):
+    source = teacher_source(save_teacher(tmp_path / "teacher"))
+    assert source.kind == "hf" and source.model_config.architecture == "qwen3"
+    assert source.model_config.hidden_size == 48 and not source.model_config.is_moe
+    check_same_vocabulary(source, ModelConfig(vocab_size=STUDENT_VOCAB), student_tokenizer())
+
+
+def test_teacher_with_another_vocabulary_size_is_refused_by_name(tmp_path):
+    source = teacher_source(save_teacher(tmp_path / "teacher", vocab_size=STUDENT_VOCAB + 28))
+    with pytest.raises(ConfigError, match=r"distill\.teacher_dir: the teacher's vocabulary has 128 entries, the "
+                                          r"student's 100"):
+        check_same_vocabulary(source, ModelConfig(vocab_size=STUDENT_VOCAB), student_tokenizer())
+
+
+def test_teacher_with_another_tokenizer_of_the_same_size_is_refused_by_name(tmp_path):
+    import json
+
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(demo_tokenizer_path(), other)
+    data = json.loads((other / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[10:12]  # two tokens swap ids: same size, other token ids
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    source = teacher_source(save_teacher(tmp_path / "teacher", tokenizer=other))
+    with pytest.raises(ConfigError, match=r"distill\.teacher_dir: the teacher's tokenizer .* differs from the student's"):
+        check_same_vocabulary(source, ModelConfig(vocab_size=STUDENT_VOCAB), student_tokenizer())
+
+
+def test_folder_that_is_no_model_and_layout_the_teacher_cannot_take_are_refused_by_name(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"distill\.teacher_dir: .* is neither a Hugging Face folder"):
+        teacher_source(tmp_path / "empty")
+    source = teacher_source(save_teacher(tmp_path / "teacher", heads=3))  # 3 heads: TP=2 cannot split them
+    with pytest.raises(ConfigError, match=r"parallel\.tensor_parallel: 2 does not divide distill\.teacher_dir"):
+        check_layout(ParallelConfig(tensor_parallel=2), source.model_config,
+                     f"distill.teacher_dir {source.folder}:")
+
+
+@pytest.mark.slow
+def test_distillation_trains_logs_the_kl_and_resumes_exactly(tmp_path):
+    teacher = save_teacher(tmp_path / "teacher")
+    common = ["sft.steps=0", "train.steps=4", "eval.every_steps=2", "eval.num_prompts=8", "eval.pass_k=1",
+              "checkpoint.every_steps=2", "train.prompts_per_step=8", "optimizer.lr=0.01",
+              f"distill.teacher_dir={teacher}", "distill.only=true"]
+    full = train(tmp_path / "full", *common)
+    assert [m["step"] for m in full] == [0, 1, 2, 3, 4]
+    kl = [m["distill_kl_mean"] for m in full[1:]]
+    assert all(k > 0.0 for k in kl)  # two random models of other shapes disagree
+    assert kl[-1] < kl[0]  # pure distillation pulls the student toward the teacher
+    for m in full[1:]:
+        assert "distill_loss" in m and "pg_loss" in m  # the GSPO term is still logged under distill.only
+    # SIGKILL once step 2's checkpoint exists, resume: exactly the uninterrupted run's metrics (the teacher
+    # is loaded again from its folder; its log-probs are a function of the samples)
+    assert kill_after_checkpoint(tmp_path / "split", 2, *common) == -signal.SIGKILL
+    resumed = train(tmp_path / "split", *common, resume=True)
+    assert [m["step"] for m in resumed] == [0, 1, 2, 3, 4]
+    for a, b in zip(resumed, full):
+        for key in ("distill_kl_mean", "distill_loss", "pg_loss", "grad_norm", "reward_mean", "eval_accuracy"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
