@@ -20,9 +20,10 @@ from tests.runs import kill_after_checkpoint, train
 STUDENT_VOCAB = 100  # examples/cpu_demo.yaml model.config.vocab_size
 
 
-def save_teacher(folder: Path, vocab_size: int = STUDENT_VOCAB, heads: int = 2, tokenizer: Path | None = None) -> Path:
+def save_teacher(folder: Path, vocab_size: int = STUDENT_VOCAB, heads: int = 2, tokenizer: Path | None = None,
+                 favourite: int | None = None) -> Path:
     """A tiny dense Qwen3 (another family and width than the demo's MoE student) saved by transformers,
-    with the demo tokenizer (or ``tokenizer``'s files) beside it."""
+    with the demo tokenizer (or ``tokenizer``'s files) beside it; ``favourite``: see ``prefer_one_token``."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -30,10 +31,29 @@ def save_teacher(folder: Path, vocab_size: int = STUDENT_VOCAB, heads: int = 2, 
     config = Qwen3Config(vocab_size=vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
                          num_attention_heads=heads, num_key_value_heads=1, head_dim=24, max_position_embeddings=128,
                          rope_theta=10000.0, tie_word_embeddings=False, dtype="float32")
-    Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(folder)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    if favourite is not None:
+        prefer_one_token(model, favourite)
+    model.save_pretrained(folder)
     for file in Path(tokenizer or demo_tokenizer_path()).iterdir():
         shutil.copy(file, folder / file.name)
     return folder
+
+
+def prefer_one_token(model, token: int, logit: float = 6.0) -> None:
+    """Weights that make the teacher give token ``token`` logit ``logit`` and every other token 0 in every
+    context (p = e^6 / (e^6 + 99) = 0.80 over 100 tokens): every embedding is the first unit vector, the
+    layers add nothing to the residual stream, and only the favourite's output row reads it. A teacher the
+    near-uniform random student is far from (about 1.6 nats of reverse KL) and can approach in a few steps."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()[:, 0] = 1.0
+        model.model.norm.weight.fill_(1.0)  # RMSNorm of the unit vector: sqrt(hidden_size) in dimension 0
+        model.lm_head.weight.zero_()[token, 0] = logit / model.config.hidden_size ** 0.5
 
 
 def student_tokenizer():
@@ -83,7 +103,7 @@ def test_folder_that_is_no_model_and_layout_the_teacher_cannot_take_are_refused_
 
 @pytest.mark.slow
 def test_distillation_trains_logs_the_kl_and_resumes_exactly(tmp_path):
-    teacher = save_teacher(tmp_path / "teacher")
+    teacher = save_teacher(tmp_path / "teacher", favourite=20)
     common = ["sft.steps=0", "train.steps=4", "eval.every_steps=2", "eval.num_prompts=8", "eval.pass_k=1",
               "checkpoint.every_steps=2", "train.prompts_per_step=8", "optimizer.lr=0.01",
               f"distill.teacher_dir={teacher}", "distill.only=true"]
@@ -91,7 +111,8 @@ def test_distillation_trains_logs_the_kl_and_resumes_exactly(tmp_path):
     assert [m["step"] for m in full] == [0, 1, 2, 3, 4]
     kl = [m["distill_kl_mean"] for m in full[1:]]
     assert all(k > 0.0 for k in kl)  # two random models of other shapes disagree
-    assert kl[-1] < kl[0]  # pure distillation pulls the student toward the teacher
+    # about 1.6 nats from the near-uniform student (prefer_one_token), then pulled toward the teacher
+    assert kl[0] > 1.0 and kl[-1] < 0.5 * kl[0]
     for m in full[1:]:
         assert "distill_loss" in m and "pg_loss" in m  # the GSPO term is still logged under distill.only
     # SIGKILL once step 2's checkpoint exists, resume: exactly the uninterrupted run's metrics (the teacher
@@ -103,3 +124,17 @@ def test_distillation_trains_logs_the_kl_and_resumes_exactly(tmp_path):
         for key in ("distill_kl_mean", "distill_loss", "pg_loss", "grad_norm", "reward_mean", "eval_accuracy"):
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
+@pytest.mark.slow
+def test_checkpoint_teacher_equal_to_the_student_gives_zero_kl(tmp_path):
+    """A training checkpoint as the teacher (its model config and tokenizer from its gspo_meta.json): the
+    student's own initial weights, so the first (only) mini-batch's distillation KL is exactly 0."""
+    common = ["sft.steps=0", "eval.num_prompts=4", "eval.pass_k=1", "train.prompts_per_step=4"]
+    train(tmp_path / "start", "train.steps=0", *common)  # saves step 0: the student's initial weights
+    checkpoint = tmp_path / "start" / "checkpoints" / "step_000000"
+    source = teacher_source(checkpoint)
+    assert source.kind == "checkpoint" and source.model_config.is_moe and source.tokenizer_dir is not None
+    run = train(tmp_path / "distilled", "train.steps=1", "train.minibatches_per_step=1", f"distill.teacher_dir={checkpoint}",
+                "distill.coef=0.5", *common)
+    assert run[1]["distill_kl_mean"] == 0.0 and run[1]["distill_loss"] == 0.0
