@@ -6,10 +6,13 @@ The teacher may have another shape and family than the student, but must read th
 vocabulary size and, where its folder names a tokenizer, that tokenizer's vocabulary must equal the
 student's, or the run is refused naming ``distill.teacher_dir``. It runs in the student's parallel layout
 (tensor / pipeline / expert / context parallel sizes), which must divide its own dimensions; a layout it
-cannot take is refused by name (``check_layout``) rather than given a second set of process groups.
+cannot take is refused by name (``check_layout``) rather than given a second set of process groups. A
+dense teacher of an MoE student runs the student's expert-parallel ranks as data parallel
+(``teacher_parallel``).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +73,17 @@ def check_same_vocabulary(source: TeacherSource, student: ModelConfig, tokenizer
                           "compares log-probs of the same token ids, so the teacher needs the student's tokenizer")
 
 
+def teacher_parallel(parallel, teacher: ModelConfig):
+    """The student's layout as the teacher runs it: unchanged for an MoE teacher; for a dense one, expert
+    parallelism 1. Megatron's expert groups are carved out of the data-parallel ranks (parallel_state in
+    megatron-core 0.16.1), so a dense model simply runs data-parallel over them, but its TransformerConfig
+    refuses expert_model_parallel_size > 1 without experts (transformer_config.py, "num_moe_experts must
+    be non None to use expert-parallel")."""
+    if teacher.is_moe or parallel.expert_parallel == 1:
+        return parallel
+    return dataclasses.replace(parallel, expert_parallel=1, expert_tensor_parallel=None)
+
+
 def build_teacher(config, student: ModelConfig, tokenizer):
     """The frozen teacher PolicyModel in the student's layout with its weights loaded, or None when
     ``distill.teacher_dir`` is unset. Its log-probs are of softmax(logits / rollout.temperature), like the
@@ -83,8 +97,9 @@ def build_teacher(config, student: ModelConfig, tokenizer):
         return None
     source = teacher_source(config.distill.teacher_dir)
     check_same_vocabulary(source, student, tokenizer)
-    check_layout(config.parallel, source.model_config, f"{FIELD} {source.folder}:")
-    teacher = PolicyModel(source.model_config, config.parallel, config.optimizer, config.loss, frozen=True,
+    parallel = teacher_parallel(config.parallel, source.model_config)
+    check_layout(parallel, source.model_config, f"{FIELD} {source.folder}:")
+    teacher = PolicyModel(source.model_config, parallel, config.optimizer, config.loss, frozen=True,
                           max_tokens_per_microbatch=config.train.max_tokens_per_microbatch,
                           temperature=config.rollout.temperature, runtime=config.model.runtime)
     if source.kind == "checkpoint":

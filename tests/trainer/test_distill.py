@@ -15,13 +15,13 @@ from gspo_megatron.trainer.config import check_layout
 from gspo_megatron.trainer.teacher import check_same_vocabulary, teacher_source
 from gspo_megatron.typed_config import ConfigError
 
-from tests.runs import kill_after_checkpoint, train
+from tests.runs import DEMO, kill_after_checkpoint, train
 
 STUDENT_VOCAB = 100  # examples/cpu_demo.yaml model.config.vocab_size
 
 
 def save_teacher(folder: Path, vocab_size: int = STUDENT_VOCAB, heads: int = 2, tokenizer: Path | None = None,
-                 favourite: int | None = None) -> Path:
+                 favourite: int | None = None, kv_heads: int = 1) -> Path:
     """A tiny dense Qwen3 (another family and width than the demo's MoE student) saved by transformers,
     with the demo tokenizer (or ``tokenizer``'s files) beside it; ``favourite``: see ``prefer_one_token``."""
     import torch
@@ -29,7 +29,7 @@ def save_teacher(folder: Path, vocab_size: int = STUDENT_VOCAB, heads: int = 2, 
 
     torch.manual_seed(7)
     config = Qwen3Config(vocab_size=vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
-                         num_attention_heads=heads, num_key_value_heads=1, head_dim=24, max_position_embeddings=128,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=24, max_position_embeddings=128,
                          rope_theta=10000.0, tie_word_embeddings=False, dtype="float32")
     model = Qwen3ForCausalLM(config).to(torch.float32)
     if favourite is not None:
@@ -138,3 +138,44 @@ def test_checkpoint_teacher_equal_to_the_student_gives_zero_kl(tmp_path):
     run = train(tmp_path / "distilled", "train.steps=1", "train.minibatches_per_step=1", f"distill.teacher_dir={checkpoint}",
                 "distill.coef=0.5", *common)
     assert run[1]["distill_kl_mean"] == 0.0 and run[1]["distill_loss"] == 0.0
+
+
+def teacher_logprobs_against_transformers(rank, world_size, teacher_dir: str, layout: list[str]) -> float:
+    """The teacher built as the trainer builds it (the student's layout) against the same folder in
+    transformers: the largest |difference| of response-token log-probs over a few sequences."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gspo_megatron.batching import TrainSequence
+    from gspo_megatron.megatron.parallel import initialize_model_parallel
+    from gspo_megatron.trainer import components as parts
+    from gspo_megatron.trainer.config import load_config
+    from gspo_megatron.trainer.teacher import build_teacher
+
+    config = load_config(DEMO, [f"distill.teacher_dir={teacher_dir}", *layout])
+    initialize_model_parallel(config.parallel, seed=config.model.init_seed)
+    teacher = build_teacher(config, parts.model_config_of(config.model), parts.load_tokenizer(config.model))
+    g = torch.Generator().manual_seed(teacher.groups.dp_rank)  # the ranks of one TP group read the same tokens
+    seqs = [TrainSequence(torch.randint(0, STUDENT_VOCAB, (n,), generator=g), prompt_len=4) for n in (9, 12, 7)]
+    ours = teacher.compute_logprobs(seqs)
+    hf = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    worst = 0.0
+    with torch.no_grad():
+        for q, o in zip(seqs, ours):
+            logp = torch.log_softmax(hf(q.tokens[None]).logits[0] / config.rollout.temperature, -1)
+            want = logp[q.prompt_len - 1:-1].gather(1, q.tokens[q.prompt_len:, None])[:, 0]
+            worst = max(worst, float((o["logprobs"] - want).abs().max()))
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,kv_heads", [(["parallel.expert_parallel=2"], 1),
+                                             (["parallel.tensor_parallel=2"], 2)])
+def test_teacher_in_the_students_layout_matches_transformers(tmp_path, layout, kv_heads):
+    """EP=2: a dense teacher of the MoE student runs the expert-parallel ranks as data parallel
+    (teacher.teacher_parallel); TP=2 (sequence parallel): the teacher's heads split like the student's."""
+    from gspo_megatron.megatron.spawn import run_distributed
+
+    teacher = save_teacher(tmp_path / "teacher", kv_heads=kv_heads)
+    worst = run_distributed(teacher_logprobs_against_transformers, 2, (str(teacher), layout))
+    assert max(worst) < 1e-4, worst
