@@ -179,3 +179,11 @@ def test_teacher_in_the_students_layout_matches_transformers(tmp_path, layout, k
     teacher = save_teacher(tmp_path / "teacher", kv_heads=kv_heads)
     worst = run_distributed(teacher_logprobs_against_transformers, 2, (str(teacher), layout))
     assert max(worst) < 1e-4, worst
+
+
+def test_a_teacher_folder_that_does_not_exist_is_refused_by_name(tmp_path):
+    from gspo_megatron.trainer.config import check_model_folders, load_config
+
+    config = load_config(DEMO, [f"distill.teacher_dir={tmp_path / 'missing'}"])
+    with pytest.raises(ConfigError, match=r"distill\.teacher_dir: .*missing is not a folder"):
+        check_model_folders(config, DEMO)
