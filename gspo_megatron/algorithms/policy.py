@@ -73,7 +73,7 @@ def policy_loss(
         ctx = sequence_context(batch, reduce_sequence_sums, differentiable=policy.sequence_grad)
         pg_loss, metrics = policy.fn(batch, normalisers, config, ctx)
 
-    loss = pg_loss.detach() * 0.0 if distilling and distill.only else pg_loss
+    loss = pg_loss.new_zeros(()) if distilling and distill.only else pg_loss
     aggregate = {
         "aggregation": config.aggregation,
         "constant_length_tokens": config.constant_length_tokens,

@@ -37,14 +37,18 @@ class TeacherSource:
 def teacher_source(teacher_dir: str | Path) -> TeacherSource:
     """Read the teacher folder's kind, model config and tokenizer folder; a folder that is neither kind is
     refused naming the field."""
+    from gspo_megatron.conversion.errors import ConversionError
     from gspo_megatron.conversion.offline import export_config, template_source, tokenizer_source
 
     folder = Path(teacher_dir)
     if not folder.is_dir():
         raise ConfigError(f"{FIELD}: {folder} is not a folder")
     if (folder / "metadata.json").is_file():  # a dist_checkpointing checkpoint (megatron/checkpoint.py)
-        template, origin = template_source(folder, None)
-        config, _ = export_config(folder, None)
+        try:  # the conversion's own reading of a checkpoint's model; its error, said of this field
+            template, origin = template_source(folder, None)
+            config, _ = export_config(folder, None)
+        except ConversionError as err:
+            raise ConfigError(f"{FIELD}: {err}") from None
         tokenizer, _ = tokenizer_source(folder, template, origin)
         return TeacherSource(folder, "checkpoint", config, tokenizer)
     if (folder / "config.json").is_file():

@@ -187,3 +187,12 @@ def test_a_teacher_folder_that_does_not_exist_is_refused_by_name(tmp_path):
     config = load_config(DEMO, [f"distill.teacher_dir={tmp_path / 'missing'}"])
     with pytest.raises(ConfigError, match=r"distill\.teacher_dir: .*missing is not a folder"):
         check_model_folders(config, DEMO)
+
+
+def test_a_checkpoint_folder_without_a_model_config_is_refused_by_name(tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "metadata.json").write_text("{}")
+    (folder / "gspo_meta.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"distill\.teacher_dir: .*the model config is unknown"):
+        teacher_source(folder)
