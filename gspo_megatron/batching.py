@@ -22,7 +22,8 @@ class TrainSequence:
     tokens:           [L] int64, prompt then response;
     prompt_len:       P (the response is tokens[P:]);
     advantage:        A_i (GSPO / GRPO) -- or token_advantages [L - P] (GSPO-token);
-    old_logprobs, ref_logprobs, rollout_logprobs: [L - P] float32 per response token, optional.
+    old_logprobs, ref_logprobs, rollout_logprobs, teacher_logprobs: [L - P] float32 per response token,
+                      optional (teacher: the distillation teacher's, trainer step 5).
     routed_experts:   [R, num_moe_layers, top_k] int, optional: the experts Routing Replay forces in this
                       sequence's forwards, row p for model input position p (R = L - 1: an engine's
                       record, "R3"; or R = L: a RoutingRecorder's, "R2"). See ``megatron/routing.py``.
@@ -41,6 +42,7 @@ class TrainSequence:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
     response_mask: torch.Tensor | None = None
     routing_key: tuple[int, int] | None = None
@@ -80,7 +82,7 @@ def _round_up(x: int, multiple: int) -> int:
     return int(math.ceil(x / multiple) * multiple)
 
 
-PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "rollout_logprobs", "token_advantages")
+PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "rollout_logprobs", "teacher_logprobs", "token_advantages")
 
 
 def present_fields(seqs: Sequence[TrainSequence]) -> tuple[str, ...]:
@@ -95,7 +97,7 @@ def collate(seqs: Sequence[TrainSequence], pad_multiple: int = 1, pad_id: int = 
     ``rows`` / ``min_len`` pad the batch to at least that many rows / positions (padding rows have an
     all-False loss mask). Returns input_ids, position_ids, labels [b, s] int64; loss_mask [b, s] bool;
     padding_mask [b, s] bool (True past each sequence's end and on padding rows, Megatron's convention);
-    advantages [b] (or token_advantages [b, s]); old/ref/rollout_logprobs [b, s] when every sequence
+    advantages [b] (or token_advantages [b, s]); old/ref/rollout/teacher_logprobs [b, s] when every sequence
     has them.
     """
     lengths = [int(q.tokens.numel()) for q in seqs]

@@ -18,6 +18,7 @@ from gspo_megatron.typed_config import check
 Algorithm = Literal["gspo", "gspo_token", "grpo", "sapo", "cispo"]
 Aggregation = Literal["seq_mean_token_mean", "token_mean", "token_sum"]
 TISMode = Literal["none", "sequence", "token"]
+DistillEstimator = Literal["k1", "k3"]
 
 # (clip_low, clip_high) from the paper: GSPO section 5.1; GRPO baseline with "clip-higher". The only copy:
 # the losses take them from a LossConfig, never from defaults of their own. SAPO has no clip (its soft
@@ -33,6 +34,40 @@ PAPER_AGGREGATION = {"cispo": "token_mean"}
 TOKEN_AGGREGATED = ("grpo", "cispo")
 # Algorithms with a hard clip of the ratio, where dual clip applies.
 HARD_CLIPPED = ("gspo", "gspo_token", "grpo")
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (``losses.distill_penalty``; docs/algorithms.md, "On-policy distillation").
+
+    teacher_dir: a Hugging Face folder or one of our checkpoint folders (converted or training) of a model
+                 with the student's tokenizer and vocabulary, any supported family and shape; null = off;
+    coef:        weight of the per-token reverse-KL term KL(pi_theta || pi_teacher) in the loss (> 0 when
+                 teacher_dir is set);
+    estimator:   k1 (default): d_t = log pi_theta(y_t) - log pi_teacher(y_t) as a detached per-token
+                 penalty on log pi_theta, whose expected gradient is the per-token reverse-KL gradient;
+                 k3: r - 1 - log r with r = pi_teacher / pi_theta as a loss (its expected gradient is that
+                 of the forward KL(pi_teacher || pi_theta));
+    only:        pure distillation: the policy-gradient (GSPO) term leaves the loss (still logged).
+    """
+
+    teacher_dir: str | None = None
+    coef: float = 1.0
+    estimator: DistillEstimator = "k1"
+    only: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.teacher_dir is not None
+
+    def validate(self, path: str) -> None:
+        check(self.estimator in ("k1", "k3"), f"{path}.estimator", f"must be k1 or k3, got {self.estimator!r}")
+        check(math.isfinite(self.coef) and self.coef >= 0.0, f"{path}.coef", f"must be >= 0, got {self.coef}")
+        if self.teacher_dir is not None:
+            check(self.coef > 0.0, f"{path}.coef", "must be > 0 when distill.teacher_dir is set (0 would load a "
+                  "teacher for nothing: unset teacher_dir to turn distillation off)")
+        check(not self.only or self.teacher_dir is not None, f"{path}.only",
+              "pure distillation needs a teacher: set distill.teacher_dir")
 
 
 @dataclass

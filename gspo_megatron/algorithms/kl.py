@@ -73,3 +73,25 @@ def _kl_from_log_r(log_r: Tensor, estimator: KLEstimator) -> Tensor:
 def _check(estimator: str) -> None:
     if estimator not in ("k1", "k2", "k3"):
         raise ValueError(f"kl_estimator: must be one of k1, k2, k3, got {estimator!r}")
+
+
+def distill_values_and_derivative(
+    logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, estimator: str, *, with_derivative: bool
+) -> tuple[Tensor, Tensor | None]:
+    """[N] per-token distillation term on response tokens (0 elsewhere) and its surrogate derivative
+    g_t = d loss_t / d logprobs_t used in backward; no autograd (``losses.distill_penalty`` fuses it).
+
+    With d_t = log pi_theta(y_t) - log pi_teacher(y_t) (masked, clamped to +-TOKEN_LOG_RATIO_LIMIT) and
+    y_t sampled from pi_theta, so that E[d_t] is the per-token reverse KL(pi_theta || pi_teacher):
+        k1: value d_t,                  g_t = d_t        (d_t detached: loss_t = sg[d_t] log pi_theta(y_t);
+            E[g_t grad log pi_theta] is the gradient of the reverse KL at token t, Agarwal et al. 2024);
+        k3: value r - 1 - log r,        g_t = 1 - r      (r = exp(-d_t); the k3 of ``kl_values_and_derivative``
+            with the teacher as reference: reverse KL in value, forward KL(pi_teacher || pi_theta) in gradient).
+    A teacher equal to the student gives d_t = 0: value 0 and g_t = 0 for both.
+    """
+    if estimator not in ("k1", "k3"):
+        raise ValueError(f"distill.estimator: must be k1 or k3, got {estimator!r}")
+    if estimator == "k3":
+        return kl_values_and_derivative(logprobs, teacher_logprobs, mask, "k3", with_derivative=with_derivative)
+    d, keep = log_ratio_values(logprobs.detach(), teacher_logprobs, mask, with_keep=with_derivative)
+    return d, (torch.where(keep, d, 0.0) if with_derivative else None)

@@ -150,6 +150,7 @@ class TokenBatch:
     advantages:       [S] one advantage per sequence (GSPO, GRPO) -- or
     token_advantages: [N] one per token (GSPO-token, GRPO); exactly one of the two is given;
     ref_logprobs:     [N] log pi_ref of a frozen reference model (KL term / metric), optional;
+    teacher_logprobs: [N] log pi_teacher of a distillation teacher (``distill_penalty``), optional;
     entropy:          [N] per-token entropy of pi_theta, carries the gradient (entropy bonus), optional;
     rollout_logprobs: [N] log-probs the inference engine reported (mismatch metric, TIS), optional.
 
@@ -165,10 +166,12 @@ class TokenBatch:
     ref_logprobs: Tensor | None = None
     entropy: Tensor | None = None
     rollout_logprobs: Tensor | None = None
+    teacher_logprobs: Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.segments.num_tokens
-        for name in ("logprobs", "old_logprobs", "mask", "token_advantages", "ref_logprobs", "entropy", "rollout_logprobs"):
+        for name in ("logprobs", "old_logprobs", "mask", "token_advantages", "ref_logprobs", "entropy", "rollout_logprobs",
+                     "teacher_logprobs"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (n,):
                 raise ValueError(f"TokenBatch.{name}: expected shape ({n},) like segments.seq_ids, got {tuple(value.shape)}")
@@ -200,6 +203,7 @@ def packed_batch(
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
     rollout_logprobs: Tensor | None = None,
+    teacher_logprobs: Tensor | None = None,
 ) -> TokenBatch:
     """Packed layout: [N] token tensors with ``cu_seqlens`` [S + 1] or prebuilt ``segments``.
 
@@ -212,7 +216,8 @@ def packed_batch(
     if mask is None:
         mask = torch.ones(logprobs.shape, dtype=torch.bool, device=logprobs.device)
     return TokenBatch(
-        logprobs, old_logprobs, mask, segments, advantages, token_advantages, ref_logprobs, entropy, rollout_logprobs
+        logprobs, old_logprobs, mask, segments, advantages, token_advantages, ref_logprobs, entropy, rollout_logprobs,
+        teacher_logprobs,
     )
 
 
@@ -225,6 +230,7 @@ def padded_batch(
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
     rollout_logprobs: Tensor | None = None,
+    teacher_logprobs: Tensor | None = None,
 ) -> TokenBatch:
     """Padded layout: [B, T] token tensors, ``mask`` [B, T]; ``advantages`` [B] (per sequence) or [B, T].
 
@@ -249,4 +255,5 @@ def padded_batch(
         ref_logprobs=flat(ref_logprobs),
         entropy=flat(entropy),
         rollout_logprobs=flat(rollout_logprobs),
+        teacher_logprobs=flat(teacher_logprobs),
     )

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gspo_megatron.algorithms.config import Aggregation, LossConfig, TISMode
-from gspo_megatron.algorithms.kl import KLEstimator, kl_values_and_derivative
+from gspo_megatron.algorithms.kl import KLEstimator, distill_values_and_derivative, kl_values_and_derivative
 from gspo_megatron.algorithms.layout import (
     LossNormalisers,
     Segments,
@@ -295,6 +295,50 @@ def kl_penalty(
     sums: Metrics = {}
     value = _TokenSum.apply(logprobs, values, derivative, scale, batch.segments, sums)
     return value, {"kl_sum": raw(sums["raw_sum"]), "kl_loss": raw(value)}
+
+
+def distill_penalty(
+    batch: TokenBatch,
+    normalisers: LossNormalisers,
+    *,
+    estimator: str,
+    aggregation: Aggregation,
+    constant_length_tokens: int = 0,
+    seq_tokens: Tensor | None = None,
+) -> tuple[Tensor, Metrics]:
+    """On-policy distillation: the per-token reverse KL(pi_theta || pi_teacher) on the student's own samples,
+    aggregated like the policy loss (add ``distill.coef`` times it). Shapes: [N] tokens, [S] sequences.
+
+        d_t  = log pi_theta(y_t) - log pi_teacher(y_t)                   (y_t sampled by the student)
+        k1:  value  sum_agg d_t,              grad  sum_agg sg[d_t] d log pi_theta(y_t)
+        k3:  value  sum_agg (r_t - 1 - log r_t), r_t = exp(-d_t),   grad  sum_agg (1 - r_t) d log pi_theta(y_t)
+
+    where sum_agg is ``aggregate_token_terms`` (GSPO: (1/num_seqs) sum_i (1/|y_i|) sum_t). The term is
+    dense and per token: it is neither weighted by nor clipped with GSPO's sequence ratio s_i (the samples
+    are the current step's, so pi_theta = pi_old at the first mini-batch; docs/algorithms.md says why).
+    A teacher equal to the student gives value 0 and gradient 0. Fused like ``kl_penalty`` (no per-token
+    tensor kept for backward). Metrics: ``distill_kl_sum`` (sum of the estimator's values: its mean is
+    the logged ``distill_kl_mean``) and ``distill_loss``.
+    """
+    if batch.teacher_logprobs is None:
+        raise ValueError("distill_penalty: the batch has no teacher_logprobs (log-probs of the distillation teacher)")
+    if estimator not in ("k1", "k3"):
+        raise ValueError(f"distill.estimator: must be k1 or k3, got {estimator!r}")
+    seq_tokens = batch.segments.count(batch.mask) if seq_tokens is None else seq_tokens
+    scale = token_scale(aggregation, seq_tokens, normalisers, constant_length_tokens)
+    logprobs, teacher, mask = batch.logprobs, batch.teacher_logprobs, batch.mask
+
+    def values(part: slice) -> Tensor:
+        return distill_values_and_derivative(logprobs[part], teacher[part], mask[part], estimator,
+                                             with_derivative=False)[0]
+
+    def derivative(part: slice) -> Tensor:
+        return distill_values_and_derivative(logprobs[part], teacher[part], mask[part], estimator,
+                                             with_derivative=True)[1]
+
+    sums: Metrics = {}
+    value = _TokenSum.apply(logprobs, values, derivative, scale, batch.segments, sums)
+    return value, {"distill_kl_sum": raw(sums["raw_sum"]), "distill_loss": raw(value)}
 
 
 def entropy_bonus(

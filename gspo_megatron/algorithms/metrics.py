@@ -37,7 +37,7 @@ class MetricSpec:
 METRICS: dict[str, MetricSpec] = {
     "tokens": MetricSpec("sum", None, "tokens", "response tokens"),
     "seqs": MetricSpec("sum", None, "seqs", "sequences with response tokens"),
-    "loss": MetricSpec("sum", None, "loss", "total loss (policy + kl_coef * kl - entropy_coef * entropy)"),
+    "loss": MetricSpec("sum", None, "loss", "total loss (policy + kl_coef * kl + distill.coef * distill - entropy_coef * entropy; no policy term with distill.only)"),
     "pg_loss": MetricSpec("sum", None, "pg_loss", "policy-gradient (clipped surrogate) loss"),
     "kl_loss": MetricSpec("sum", None, "kl_loss", "KL term before its coefficient, aggregated like the policy loss"),
     "entropy_loss": MetricSpec("sum", None, "entropy_loss", "entropy term before its coefficient, aggregated like the policy loss"),
@@ -58,6 +58,8 @@ METRICS: dict[str, MetricSpec] = {
     "adv_max": MetricSpec("max", "tokens", "adv_max", "maximum advantage"),
     "zero_adv_seqs": MetricSpec("sum", "seqs", "zero_adv_seq_frac", "fraction of sequences whose advantage is 0 everywhere"),
     "kl_sum": MetricSpec("sum", "tokens", "kl_mean", "mean per-token KL(pi_theta || pi_ref) estimate"),
+    "distill_kl_sum": MetricSpec("sum", "tokens", "distill_kl_mean", "on-policy distillation: mean per-token reverse KL(pi_theta || pi_teacher) estimate (distill.estimator)"),
+    "distill_loss": MetricSpec("sum", None, "distill_loss", "distillation term before distill.coef, aggregated like the policy loss"),
     "entropy_sum": MetricSpec("sum", "tokens", "entropy_mean", "mean per-token entropy"),
     "logprob_gap_abs_sum": MetricSpec("sum", "tokens", "logprob_gap_mean", "train/rollout mismatch: mean |log pi_old - log pi_rollout| per response token"),
     "logprob_gap_signed_sum": MetricSpec("sum", "tokens", "logprob_gap_signed", "mean log pi_old - log pi_rollout per token (> 0: the training model gives the sampled tokens more probability)"),

@@ -8,10 +8,11 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from gspo_megatron.algorithms.config import LossConfig
+from gspo_megatron.algorithms.config import DistillConfig, LossConfig
 from gspo_megatron.algorithms.layout import LossNormalisers, TokenBatch
 from gspo_megatron.algorithms.losses import (
     cispo_loss,
+    distill_penalty,
     entropy_bonus,
     grpo_loss,
     gspo_loss,
@@ -50,22 +51,29 @@ def policy_loss(
     batch: TokenBatch,
     normalisers: LossNormalisers,
     reduce_sequence_sums: ReduceSequenceSums | None = None,
+    distill: DistillConfig | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """loss = policy loss + kl_coef * KL - entropy_coef * entropy, and the raw metrics of all three.
+    """loss = policy loss + kl_coef * KL + distill.coef * distill - entropy_coef * entropy, and the raw
+    metrics of all four; with ``distill.only`` the policy loss leaves the sum (its metrics stay).
 
     normalisers:          global counts of the whole mini-batch (see ``LossNormalisers``);
     reduce_sequence_sums: context parallelism only: all-reduce of the per-sequence sums over the CP
                           group (see ``sequences``); None means each sequence is whole on this rank.
+    distill:              on-policy distillation (``losses.distill_penalty``): needs the batch's
+                          ``teacher_logprobs`` when ``distill.enabled``.
     The KL (or entropy) metric is reported whenever the batch has ``ref_logprobs`` (``entropy``), and
     enters the loss only when its coefficient is non-zero.
     """
+    distilling = distill is not None and distill.enabled
     if config.algorithm not in POLICY_LOSSES:
         raise ValueError(f"loss.algorithm: must be one of {', '.join(POLICY_LOSSES)}, got {config.algorithm!r}")
     policy = POLICY_LOSSES[config.algorithm]
-    ctx = sequence_context(batch, reduce_sequence_sums, differentiable=policy.sequence_grad)
-    pg_loss, metrics = policy.fn(batch, normalisers, config, ctx)
+    # pure distillation: the policy term is computed for its metrics only, without a graph
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not (distilling and distill.only)):
+        ctx = sequence_context(batch, reduce_sequence_sums, differentiable=policy.sequence_grad)
+        pg_loss, metrics = policy.fn(batch, normalisers, config, ctx)
 
-    loss = pg_loss
+    loss = pg_loss.new_zeros(()) if distilling and distill.only else pg_loss
     aggregate = {
         "aggregation": config.aggregation,
         "constant_length_tokens": config.constant_length_tokens,
@@ -79,6 +87,12 @@ def policy_loss(
         metrics.update(kl_metrics)
         if config.kl_coef > 0:
             loss = loss + config.kl_coef * kl
+    if distilling:
+        if batch.teacher_logprobs is None:
+            raise ValueError("distill.teacher_dir: is set but the batch has no teacher_logprobs (teacher log-probs)")
+        distill_loss, distill_metrics = distill_penalty(batch, normalisers, estimator=distill.estimator, **aggregate)
+        metrics.update(distill_metrics)
+        loss = loss + distill.coef * distill_loss
     if config.entropy_coef > 0 and batch.entropy is None:
         raise ValueError("loss.entropy_coef: is > 0 but the batch has no entropy (per-token entropy of pi_theta)")
     if batch.entropy is not None:

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.algorithms.config import LossConfig
+from gspo_megatron.algorithms.config import DistillConfig, LossConfig
 from gspo_megatron.algorithms.layout import LossNormalisers, padded_batch
 from gspo_megatron.algorithms.metrics import finalize_metrics, merge_metrics, METRICS
 from gspo_megatron.algorithms.policy import policy_loss
@@ -149,7 +149,7 @@ class PolicyModel:
 
     def __init__(self, model_config, parallel, optim: OptimizerConfig, loss: LossConfig,
                  max_tokens_per_microbatch: int = 4096, logprob_chunk_bytes: int = LOGPROB_CHUNK_BYTES,
-                 frozen: bool = False, temperature: float = 1.0, runtime=None):
+                 frozen: bool = False, temperature: float = 1.0, runtime=None, distill: DistillConfig | None = None):
         from gspo_megatron.megatron.model import ModelRuntime, build_model, resolve_layer_spec, wrap_ddp
 
         if not temperature > 0.0:
@@ -158,6 +158,7 @@ class PolicyModel:
         self.temperature = temperature
 
         self.model_config, self.parallel, self.optim_config, self.loss_config = model_config, parallel, optim, loss
+        self.distill_config = distill  # on-policy distillation's loss term (None or teacher_dir unset: off)
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.logprob_chunk_bytes = logprob_chunk_bytes
         # runtime: precision, recomputation and layer spec (model.ModelRuntime; default fp32, auto spec)
@@ -488,8 +489,10 @@ class PolicyModel:
                     raise ValueError("forward_backward: every sequence needs old_logprobs (compute_logprobs first)")
                 advantages = mb["token_advantages"] if "token_advantages" in mb else mb["advantages"]
                 batch = padded_batch(logp, old, mb["loss_mask"], advantages, ref_logprobs=mb.get("ref_logprobs"),
-                                     entropy=entropy, rollout_logprobs=mb.get("rollout_logprobs"))
-                loss, metrics = policy_loss(self.loss_config, batch, normalisers, self._reduce_sequence_sums)
+                                     entropy=entropy, rollout_logprobs=mb.get("rollout_logprobs"),
+                                     teacher_logprobs=mb.get("teacher_logprobs"))
+                loss, metrics = policy_loss(self.loss_config, batch, normalisers, self._reduce_sequence_sums,
+                                            distill=self.distill_config)
                 # Megatron divides by the number of micro-batches and DDP averages over DP: undo both.
                 return loss * (num_mb * dp), metrics
 

@@ -23,10 +23,15 @@ def initialise_weights(policy, model_config, model_section) -> None:
 
         initialise_canonical(policy.module, model_config, model_section.init_seed)
         return
+    load_hf_weights(policy, model_config, model_section.hf_dir)
+
+
+def load_hf_weights(policy, model_config, hf_dir) -> None:
+    """``policy``'s weights from the Hugging Face folder ``hf_dir`` (through the family's conversion table)."""
     from gspo_megatron.conversion.safetensors_io import HFCheckpoint, check_declared_dtype
     from gspo_megatron.conversion.tables import expand
 
-    with HFCheckpoint(model_section.hf_dir) as hf:
+    with HFCheckpoint(hf_dir) as hf:
         check_declared_dtype(hf)
         canonical = {e.megatron: e.transform.to_megatron([hf.read(n) for n in e.hf]) for e in expand(model_config)}
     sharding.load_full_state_dict(policy.module, canonical)

@@ -38,7 +38,8 @@ def policy_model(config, model_config: ModelConfig, frozen: bool) -> PolicyModel
     log-probs are of softmax(logits / T), the distribution the rollout samples from."""
     return PolicyModel(model_config, config.parallel, config.optimizer, config.loss, frozen=frozen,
                        max_tokens_per_microbatch=config.train.max_tokens_per_microbatch,
-                       temperature=config.rollout.temperature, runtime=config.model.runtime)
+                       temperature=config.rollout.temperature, runtime=config.model.runtime,
+                       distill=None if frozen else config.distill)
 
 
 def agent_spec(config, tokenizer):

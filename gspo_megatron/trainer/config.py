@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import yaml
 
-from gspo_megatron.algorithms.config import LossConfig
+from gspo_megatron.algorithms.config import DistillConfig, LossConfig
 from gspo_megatron.data.config import DataConfig
 from gspo_megatron.megatron.model import ModelRuntime
 from gspo_megatron.megatron.model_config import ModelConfig
@@ -244,6 +244,7 @@ class TrainConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     rewards: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
@@ -576,8 +577,8 @@ def unknown_key_line(message: str, text: str, overrides) -> int | None:
 
 # path fields, relative to the config file's folder (command-line overrides too): one rule for all
 PATH_FIELDS = (("data", "train_files"), ("data", "eval_files"), ("model", "hf_dir"), ("model", "tokenizer_dir"),
-               ("rewards", "import_dirs"))
-MUST_EXIST = (("model", "hf_dir"), ("model", "tokenizer_dir"))  # read at start-up; never taken as Hub names
+               ("rewards", "import_dirs"), ("distill", "teacher_dir"))
+MUST_EXIST = (("model", "hf_dir"), ("model", "tokenizer_dir"), ("distill", "teacher_dir"))  # read at start-up; never taken as Hub names
 
 
 def overridden_path_fields(overrides: list[str] | tuple[str, ...]) -> set[tuple[str, str]]:

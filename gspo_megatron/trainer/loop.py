@@ -1,6 +1,6 @@
 """The GSPO training loop. One step, in the paper's order:
 
-    rollout -> rewards -> group advantages -> old log-probs -> reference log-probs (KL > 0)
+    rollout -> rewards -> group advantages -> old log-probs -> reference (KL > 0) and teacher log-probs
             -> mini-batch updates -> weight sync -> metrics -> checkpoint
 
 Every rank runs this loop. When rollouts run (sync, overlapped, partial; dynamic sampling around any of
@@ -42,6 +42,7 @@ from gspo_megatron.trainer.run_dir import on_main_rank
 from gspo_megatron.trainer.schedule import build_driver
 from gspo_megatron.trainer.schedule.base import RolloutGroup, step_seed
 from gspo_megatron.trainer.schedule.rollouts import Rollouts
+from gspo_megatron.trainer.teacher import build_teacher
 from gspo_megatron.typed_config import to_dict
 
 
@@ -74,6 +75,8 @@ class Trainer:
         self.routing_hold = RoutingHold(self.dp_rank, self.dp_size, self.policy.groups.data_parallel)
         # a frozen copy of the initial weights; built only when the KL term is on
         self.reference = parts.policy_model(config, self.model_config, frozen=True) if config.loss.kl_coef > 0 else None
+        # the on-policy distillation teacher (distill.teacher_dir; trainer/teacher.py), frozen, loaded once
+        self.teacher = build_teacher(config, self.model_config, self.tokenizer)
         self.faults = {"skipped_updates": 0, "reward_failures": 0, "engine_restarts": 0}
         self.supervisor = parts.engine_supervisor(config, self.model_config, self.tokenizer, self.policy, self.faults,
                                                   self.rank)
@@ -154,8 +157,9 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One GSPO step, the paper's order: 1-2 rollout of G samples per prompt and their rewards (the
         schedule's driver); 3 group advantages (Eq. 6); 4 old-policy log-probs; 5 reference log-probs (KL >
-        0); 6 one optimizer step per mini-batch; 7 weight sync to the rollout engine; 8 metrics. Routing
-        Replay (R2/R3) and routing drift live inside steps 4 and 6 (``_old_logprobs``, ``_update``)."""
+        0) and the distillation teacher's (distill.teacher_dir); 6 one optimizer step per mini-batch; 7 weight
+        sync to the rollout engine; 8 metrics. Routing Replay (R2/R3) and routing drift live inside steps 4
+        and 6 (``_old_logprobs``, ``_update``)."""
         cfg = self.config
         torch.manual_seed(step_seed(cfg.train.seed, self.step, self.rank))
         clock = _Clock()
@@ -173,9 +177,11 @@ class Trainer:
         #    the engine's (paper section 5.4)
         my_seqs = [q for share in shares for q in share]
         replay, routing_metrics = self._old_logprobs(my_seqs, replay)  # auto: this step's r3 or off
-        # 5. reference log-probs when the KL term is on
+        # 5. reference log-probs when the KL term is on; the distillation teacher's when it is set
         if self.reference is not None:
             _set_logprobs(my_seqs, "ref_logprobs", self.reference.compute_logprobs(my_seqs))
+        if self.teacher is not None:
+            _set_logprobs(my_seqs, "teacher_logprobs", self.teacher.compute_logprobs(my_seqs))
         clock.lap("time_logprobs_s")
         # 6. one optimizer step per mini-batch
         update_metrics, drift_metrics = self._update(shares, replay)

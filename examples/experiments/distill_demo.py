@@ -1,0 +1,178 @@
+"""On-policy distillation on the CPU demo task: a teacher trained to high accuracy, then a fresh student of
+another shape trained three ways from the same start -- distillation alone, GSPO alone, and both -- with
+held-out accuracy against steps.
+
+    python examples/experiments/distill_demo.py run --scale full --out runs/distill_demo
+    python examples/experiments/distill_demo.py report          # the figure from the results file
+
+``run``: (1) the teacher, a wider Qwen3-MoE (``TEACHER_SHAPE``) trained on the demo task (``sort``) by the
+demo config with a long supervised warm start and GSPO after it; its last training checkpoint is the
+teacher folder (``distill.teacher_dir`` takes checkpoint folders; same demo tokenizer and vocabulary);
+(2) per seed, one short warm start of the student (the demo's own shape, ``train.steps=0``) that every arm
+starts from (``--init-from``), so the arms differ only in the loss; (3) the arms (``ARMS``), one
+``gspo-megatron train`` process each. Every run's per-step metrics go into one results file
+(``benchmarks/results/distill_demo.json`` by default; rewritten after every run; runs it holds are skipped).
+``report`` draws ``docs/figures/distill_demo/accuracy.png`` (mean over seeds, the teacher's accuracy as a
+line) from that file alone and prints the numbers.
+
+Scales: ``full`` (3 seeds; about an hour on 2 CPU cores: not run by the tests) and ``ci`` (a few steps of
+everything, one seed: the pipeline, not the science).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "examples" / "cpu_demo.yaml"
+RESULTS = REPO / "benchmarks" / "results" / "distill_demo.json"
+FIGURES = REPO / "docs" / "figures" / "distill_demo"
+
+# another shape than the student (the demo's 64-wide, 4-expert model); same vocabulary and tokenizer
+TEACHER_SHAPE = ["model.config.hidden_size=128", "model.config.num_experts=8", "model.config.moe_ffn_hidden_size=128",
+                 "model.config.head_dim=32", "model.init_seed=99"]
+ARMS = {
+    "distill": ["distill.only=true", "distill.coef=1.0"],
+    "gspo": [],
+    "both": ["distill.coef=1.0"],
+}
+SCALES = {
+    "full": {"seeds": 3, "teacher": ["sft.steps=300", "train.steps=60"],
+             "student_warm": ["sft.steps=20"], "arm": ["train.steps=60"]},
+    "ci": {"seeds": 1, "teacher": ["sft.steps=5", "train.steps=1", "eval.num_prompts=8", "eval.pass_k=1"],
+           "student_warm": ["sft.steps=2", "eval.num_prompts=8", "eval.pass_k=1"],
+           "arm": ["train.steps=2", "eval.every_steps=1", "eval.num_prompts=8", "eval.pass_k=1",
+                   "train.prompts_per_step=4"]},
+}
+KEYS = ("eval_accuracy", "reward_mean", "distill_kl_mean", "pg_loss", "time_step_s")
+
+
+def run_one(run_dir: Path, overrides: list[str], env: dict, init_from: Path | None = None) -> float:
+    """One ``gspo-megatron train`` run (``--resume-or-start``); returns its wall time. A failure stops all."""
+    cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(CONFIG), "--run-dir", str(run_dir),
+           "--resume-or-start", "logging.console=false", "logging.tensorboard=false", *overrides]
+    if init_from is not None:
+        cmd += ["--init-from", str(init_from)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{run_dir}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def read_run(run_dir: Path) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"steps": [r["step"] for r in records], **{k: [r.get(k) for r in records] for k in KEYS}}
+
+
+def last_checkpoint(run_dir: Path) -> Path:
+    return sorted((run_dir / "checkpoints").glob("step_[0-9]*"))[-1]
+
+
+def run(scale: str, out: Path, results: Path, seeds: int | None) -> dict:
+    settings = SCALES[scale]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    data = {"scale": scale, "teacher_shape": TEACHER_SHAPE, "arms": ARMS, "teacher": None, "runs": {}}
+    if results.is_file():
+        done = json.loads(results.read_text())
+        if done.get("scale") == scale and done.get("teacher_shape") == TEACHER_SHAPE:
+            data["teacher"], data["runs"] = done.get("teacher"), done.get("runs", {})
+    teacher_dir = out / "teacher"
+    if data["teacher"] is None:
+        wall = run_one(teacher_dir, TEACHER_SHAPE + settings["teacher"], env)
+        data["teacher"] = {"wall_s": wall, **read_run(teacher_dir)}
+        _write_json(results, data)
+    teacher = last_checkpoint(teacher_dir)
+    print(f"teacher: {teacher} (held-out accuracy {data['teacher']['eval_accuracy'][-1]})", flush=True)
+    for seed in range(seeds or settings["seeds"]):
+        seed_args = [f"train.seed={seed}", f"model.init_seed={1234 + seed}"]
+        warm = out / "student_warm" / f"seed{seed}"
+        if not (warm / "checkpoints" / "step_000000").is_dir():
+            run_one(warm, settings["student_warm"] + seed_args + ["train.steps=0"], env)
+        for arm, overrides in ARMS.items():
+            if str(seed) in data["runs"].get(arm, {}):
+                continue
+            teacher_args = [f"distill.teacher_dir={teacher}"] if arm != "gspo" else []
+            run_dir = out / arm / f"seed{seed}"
+            wall = run_one(run_dir, settings["arm"] + seed_args + overrides + teacher_args, env,
+                           init_from=warm / "checkpoints" / "step_000000")
+            data["runs"].setdefault(arm, {})[str(seed)] = {"wall_s": wall, **read_run(run_dir)}
+            _write_json(results, data)
+            print(f"{arm} seed {seed}: {wall:.0f} s", flush=True)
+    return data
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def accuracy_curves(data: dict) -> dict[str, tuple[list[int], list[float]]]:
+    """Per arm, the evaluated steps and the held-out accuracy there, averaged over seeds."""
+    out = {}
+    for arm, runs in data["runs"].items():
+        by_step: dict[int, list[float]] = {}
+        for r in runs.values():
+            for step, acc in zip(r["steps"], r["eval_accuracy"]):
+                if acc is not None and math.isfinite(acc):
+                    by_step.setdefault(step, []).append(acc)
+        steps = sorted(by_step)
+        out[arm] = (steps, [sum(by_step[s]) / len(by_step[s]) for s in steps])
+    return out
+
+
+def report(results: Path, figures: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(results.read_text())
+    curves = accuracy_curves(data)
+    teacher = [a for a in data["teacher"]["eval_accuracy"] if a is not None][-1]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm, (steps, acc) in curves.items():
+        ax.plot(steps, acc, marker="o", label=arm)
+        print(f"{arm}: held-out accuracy {acc[0]:.3f} at step {steps[0]} -> {acc[-1]:.3f} at step {steps[-1]} "
+              f"(mean of {len(data['runs'][arm])} seed(s))")
+    ax.axhline(teacher, color="grey", linestyle="--", label=f"teacher ({teacher:.2f})")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title(f"On-policy distillation on the demo task ({data['scale']} scale)")
+    ax.legend()
+    figures.mkdir(parents=True, exist_ok=True)
+    path = figures / "accuracy.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--scale", choices=sorted(SCALES), default="full")
+    r.add_argument("--out", type=Path, default=REPO / "runs" / "distill_demo")
+    r.add_argument("--results", type=Path, default=RESULTS)
+    r.add_argument("--seeds", type=int, default=None)
+    p = sub.add_parser("report")
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--figures", type=Path, default=FIGURES)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        run(args.scale, args.out, args.results, args.seeds)
+    else:
+        report(args.results, args.figures)
+
+
+if __name__ == "__main__":
+    main()

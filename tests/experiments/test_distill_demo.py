@@ -1,0 +1,33 @@
+"""The distillation demonstration at CI size: the teacher, a student warm start and the three arms train
+through the real CLI for a few steps, the results file holds every run, and ``report`` draws the figure."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "experiments" / "distill_demo.py"
+
+
+def _driver():
+    spec = importlib.util.spec_from_file_location("distill_demo", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_distill_demo_pipeline_at_ci_scale(tmp_path):
+    driver = _driver()
+    results = tmp_path / "results.json"
+    driver.main(["run", "--scale", "ci", "--out", str(tmp_path / "runs"), "--results", str(results)])
+    data = json.loads(results.read_text())
+    assert set(data["runs"]) == set(driver.ARMS)
+    for arm, runs in data["runs"].items():
+        run = runs["0"]
+        assert run["steps"] == [0, 1, 2]
+        kl = [v for v in run["distill_kl_mean"] if v is not None]
+        assert (len(kl) == 2) == (arm != "gspo"), arm  # the teacher's KL is logged where it is in the loss
+    driver.main(["report", "--results", str(results), "--figures", str(tmp_path / "fig")])
+    assert (tmp_path / "fig" / "accuracy.png").is_file()
