@@ -79,9 +79,12 @@ class Scores:
 
 
 def _judgement(outcome: Outcome, term) -> bool | None:
-    """One term's word on correctness: its verdict's own, else the top of its declared range, else none."""
+    """One term's word on correctness: its verdict's own, else the top of its declared range, else none. A
+    reward model gives a preference score, not a verdict: it never judges correctness."""
     if outcome.verdict.correct is not None:
         return outcome.verdict.correct
+    if term.name == "reward_model":
+        return None
     declared = term.declared_range
     return None if declared is None else outcome.verdict.reward == declared[1]
 
