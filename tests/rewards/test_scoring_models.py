@@ -178,3 +178,29 @@ def test_verdict_rule_reads_the_last_match_and_whole_labels():
                                  "test_verdict": "Score: 3"}, "judge")
     assert parse_verdict(number, "Score: 3 ... Score: 8") == 8.0
     assert parse_verdict(number, "Score: high") is None and parse_verdict(number, "Score: nan") is None
+
+
+@pytest.mark.slow
+def test_a_training_run_with_a_failing_judge_continues_and_logs_its_failures(judge_model, tmp_path):
+    """The demo trains 2 steps with the synthetic verifier and a judge (weight 0) whose random verdicts the
+    rule never parses: every judged response is a counted failure, the run goes on to its end."""
+    import json
+    import subprocess
+
+    from tests.reliability.helpers import REPO, tagged_env, train_command
+
+    judge = (f"{{name: judge, weight: 0.0, judge: {{path: '{judge_model}', template: '{{response}}', "
+             f"labels: {{'<<GOOD>>': 1.0, '<<BAD>>': 0.0}}, test_verdict: '<<GOOD>>', max_new_tokens: 4}}}}")
+    run_dir = tmp_path / "run"
+    env, _ = tagged_env()
+    proc = subprocess.run(train_command(run_dir, "train.steps=2", "sft.steps=0", "eval.every_steps=0",
+                                        "checkpoint.every_steps=0", f"rewards.terms=[{{name: synthetic}}, {judge}]"),
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "reward/judge/errors" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["reward/judge/errors"] == m["reward/responses"] > 0
+    # the fault counter (which also counts the start-up evaluation's judged responses) grows by each step's failures
+    assert steps[1]["faults/reward_failures"] - steps[0]["faults/reward_failures"] == steps[1]["reward/responses"]
