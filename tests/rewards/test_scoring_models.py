@@ -204,3 +204,19 @@ def test_a_training_run_with_a_failing_judge_continues_and_logs_its_failures(jud
         assert m["reward/judge/errors"] == m["reward/responses"] > 0
     # the fault counter (which also counts the start-up evaluation's judged responses) grows by each step's failures
     assert steps[1]["faults/reward_failures"] - steps[0]["faults/reward_failures"] == steps[1]["reward/responses"]
+
+
+def test_model_folders_in_a_config_file_are_relative_to_it(tmp_path):
+    from gspo_megatron.trainer.config import load_config
+    from tests.trainer.test_user_config import _user_config
+
+    terms = [{"name": "synthetic"},
+             {"name": "reward_model", "key": "rm", "reward_model": {"path": "rm", "normalize": "tanh"}},
+             {"name": "judge", "judge": {"path": "judge", "tokenizer": "tok", "template": "{response}",
+                                         "labels": {"yes": 1.0, "no": 0.0}, "test_verdict": "yes"}}]
+    config = load_config(_user_config(tmp_path / "cfg", rewards={"terms": terms}))
+    base = (tmp_path / "cfg").resolve()
+    rm, judge = config.rewards.terms[1], config.rewards.terms[2]
+    assert rm.reward_model.path == str(base / "rm") and rm.declared_range == (-1.0, 1.0)
+    assert (judge.judge.path, judge.judge.tokenizer) == (str(base / "judge"), str(base / "tok"))
+    assert judge.declared_range == (0.0, 1.0)
