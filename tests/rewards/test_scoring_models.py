@@ -220,3 +220,17 @@ def test_model_folders_in_a_config_file_are_relative_to_it(tmp_path):
     assert rm.reward_model.path == str(base / "rm") and rm.declared_range == (-1.0, 1.0)
     assert (judge.judge.path, judge.judge.tokenizer) == (str(base / "judge"), str(base / "tok"))
     assert judge.declared_range == (0.0, 1.0)
+
+
+def test_a_verifier_at_weight_0_beside_a_reward_model_gives_correctness(reward_model):
+    """The reward model alone judges nothing; the synthetic verifier kept at weight 0 as a monitor decides."""
+    sample = {"prompt": "sort 3 1 2", "answer": "1 2 3", "meta": {"task": "sort"}}
+    batch = [(sample, "1 2 3"), (sample, "3 2 1")]
+    rm = {"name": "reward_model", "reward_model": {"path": reward_model, "normalize": "sigmoid"}}
+    with RewardPool(_rewards([rm])) as pool:
+        assert pool.score_verdicts(batch).correct == [None, None]
+    with RewardPool(_rewards([rm, {"name": "synthetic", "weight": 0.0}])) as pool:
+        scores = pool.score_verdicts(batch)
+    assert scores.correct == [True, False]
+    assert scores.rewards == pytest.approx([scores.metrics["rewards/reward_model/mean"] * 2 - scores.rewards[1],
+                                            scores.rewards[1]])  # the monitor adds nothing to the reward
