@@ -86,24 +86,8 @@ class RewardModelTerm:
         self.tokenizer = _tokenizer(_folder(cfg.tokenizer or path, f"{where}.tokenizer"), f"{where}.tokenizer",
                                     cfg.chat_template, f"{where}.chat_template")
 
-    def text(self, sample: Mapping[str, Any], response: str) -> str:
-        """What the reward model reads for one response."""
-        if not self.cfg.chat_template:
-            return (sample.get("prompt_text") or prompt_of(sample)) + response
-        messages = list(sample.get("messages") or [{"role": "user", "content": prompt_of(sample)}])
-        return self.tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}],
-                                                  tokenize=False)
-
-    def token_ids(self, text: str) -> list[int] | VerdictError:
-        """``text``'s ids cut to ``max_length`` by the truncation rule, or the error of an over-long text."""
-        # a rendered chat template carries its own special tokens; plain text gets the tokenizer's
-        ids = self.tokenizer(text, add_special_tokens=not self.cfg.chat_template)["input_ids"]
-        if len(ids) <= self.cfg.max_length:
-            return ids
-        if self.cfg.truncation == "error":
-            return VerdictError(f"{len(ids)} tokens, over reward_model.max_length {self.cfg.max_length} "
-                                f"(truncation: error)")
-        return ids[-self.cfg.max_length:] if self.cfg.truncation == "left" else ids[:self.cfg.max_length]
+    def token_ids(self, sample: Mapping[str, Any], response: str) -> list[int] | VerdictError:
+        return reward_model_ids(self.tokenizer, self.cfg, sample, response)
 
     @torch.inference_mode()
     def scores(self, rows: Sequence[list[int]]) -> list[float]:
@@ -120,12 +104,36 @@ class RewardModelTerm:
         return out
 
     def __call__(self, samples: Sequence[Mapping[str, Any]], responses: Sequence[str]) -> list[float | Exception]:
-        encoded = [self.token_ids(self.text(s, r)) for s, r in zip(samples, responses)]
+        encoded = [self.token_ids(s, r) for s, r in zip(samples, responses)]
         good = [i for i, e in enumerate(encoded) if not isinstance(e, Exception)]
         values: list[float | Exception] = list(encoded)  # errors stay in place
         for i, score in zip(good, self.scores([encoded[i] for i in good]) if good else []):
             values[i] = score
         return values
+
+
+def reward_model_text(tokenizer: Any, cfg: RewardModelConfig, sample: Mapping[str, Any], response: str) -> str:
+    """What the reward model reads for one response: the chat of the prompt and the response through its
+    tokenizer's template, or (``chat_template: false``) the policy's rendered prompt followed by the response."""
+    if not cfg.chat_template:
+        return (sample.get("prompt_text") or prompt_of(sample)) + response
+    messages = list(sample.get("messages") or [{"role": "user", "content": prompt_of(sample)}])
+    return tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
+
+
+def reward_model_ids(tokenizer: Any, cfg: RewardModelConfig, sample: Mapping[str, Any],
+                     response: str) -> list[int] | VerdictError:
+    """The token ids the reward model reads for one response, cut to ``max_length`` by the truncation rule, or
+    the error of an over-long text (``truncation: error``). What a script training a reward model for this term
+    should feed it (examples/make_demo_reward_model.py)."""
+    # a rendered chat template carries its own special tokens; plain text gets the tokenizer's
+    ids = tokenizer(reward_model_text(tokenizer, cfg, sample, response),
+                    add_special_tokens=not cfg.chat_template)["input_ids"]
+    if len(ids) <= cfg.max_length:
+        return ids
+    if cfg.truncation == "error":
+        return VerdictError(f"{len(ids)} tokens, over reward_model.max_length {cfg.max_length} (truncation: error)")
+    return ids[-cfg.max_length:] if cfg.truncation == "left" else ids[:cfg.max_length]
 
 
 def normalize(logits: torch.Tensor, cfg: RewardModelConfig) -> torch.Tensor:
@@ -199,4 +207,5 @@ class JudgeTerm:
         return values
 
 
-__all__ = ["JudgeTerm", "RewardModelTerm", "VerdictError", "normalize", "prompt_of"]
+__all__ = ["JudgeTerm", "RewardModelTerm", "VerdictError", "normalize", "prompt_of", "reward_model_ids",
+           "reward_model_text"]
