@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from gspo_megatron.rewards.config import JudgeConfig, RewardModelConfig, template_fields
-from gspo_megatron.rewards.terms import RewardSetupError
+from gspo_megatron.rewards.types import RewardSetupError
 from gspo_megatron.rewards.verdicts import parse_verdict
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gspo_megatron.rewards.config import RewardConfig, RewardTermConfig
 from gspo_megatron.rewards.in_process import InProcessLimits, RewardInterrupted
-from gspo_megatron.rewards.types import Verdict
+from gspo_megatron.rewards.types import RewardSetupError, Verdict
 
 Item = tuple[Mapping[str, Any], str]  # (prompt sample as a dict, response text)
 # the largest |reward| a term may return: the advantages square the centred rewards in float32
@@ -43,10 +43,6 @@ class Term:
     fn: Callable[..., Any]
     is_async: bool
     batched: bool
-
-
-class RewardSetupError(RuntimeError):
-    """A reward term cannot be built (bad import path, not callable, ...): raised at start-up."""
 
 
 def import_failure(err: BaseException) -> str:
