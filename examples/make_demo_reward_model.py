@@ -1,6 +1,6 @@
 """Train the CPU demo's reward model from the sort task's verifier labels and save it in Hugging Face format.
 
-    python examples/make_demo_reward_model.py            # writes runs/demo_reward_model (about a minute)
+    python examples/make_demo_reward_model.py            # writes runs/demo_reward_model (about two CPU minutes)
     gspo-megatron train --config examples/cpu_demo_reward_model.yaml --run-dir runs/demo_rm
 
 For every training prompt of examples/cpu_demo_reward_model.yaml the script writes candidate responses (the
