@@ -142,6 +142,13 @@ def _section_of(annotation: Any) -> Any:
     return None
 
 
+def _is_dict_field(annotation: Any) -> bool:
+    """``dict[...]`` or ``dict[...] | None``: a field whose keys are its own (JudgeConfig.labels)."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return any(get_origin(a) is dict for a in get_args(annotation))
+    return get_origin(annotation) is dict
+
+
 def field_at(cls: type, dotted: str) -> Any:
     """The annotation of the field a dotted key (``rollout.sglang.launch.dtype``, ``rewards.terms[0].name``)
     names in the config tree ``cls``; an unknown key is a ConfigError naming its first unknown part. Keys
@@ -149,7 +156,7 @@ def field_at(cls: type, dotted: str) -> Any:
     annotation: Any = cls
     walked = ""
     for part in re.findall(r"\[\d+\]|[^.\[\]]+", dotted):
-        if get_origin(annotation) is dict:
+        if _is_dict_field(annotation):
             return annotation
         if part.startswith("["):  # a list item: the list's own section
             walked += part

@@ -3,7 +3,7 @@
 Layers (``X <- Y``: Y may import X): batching.py, typed_config.py, processes.py, reporting.py, print_cap.py at the
 bottom <- algorithms (pure torch) and models (model families) <- megatron (the Megatron-Core seam) <- conversion
 (HF <-> Megatron tools built on the seam: offline DCP I/O, live export, the logits check) <- rollout,
-rewards, data <- trainer <- testing <- smoke <- cli <- api (training from Python runs the command line's
+data <- rewards (a generative judge decodes with the rollout engine) <- trainer <- testing <- smoke <- cli <- api (training from Python runs the command line's
 entry). The one difference from the first design sketch
 (``conversion <- megatron``) is deliberate: converting needs Megatron's models and sharding algebra, while
 the seam needs from conversion only the Transformer Engine names, which live in megatron/te_names.py. Two
@@ -27,12 +27,13 @@ LAYERS: dict[str, int] = {
     "algorithms": 1, "models": 1,
     "megatron": 2,
     "conversion": 3,
-    "rollout": 4, "rewards": 4, "data": 4,
-    "trainer": 5,
-    "testing": 6,  # helpers for tests and the smoke command (gloo process runner, canonical models)
-    "smoke": 7,
-    "cli": 8,
-    "api": 9,  # train() from Python: builds the command line's arguments and calls its entry
+    "rollout": 4, "data": 4,
+    "rewards": 5,  # the judge term (rewards/scoring_models.py) decodes with rollout's in-process engine
+    "trainer": 6,
+    "testing": 7,  # helpers for tests and the smoke command (gloo process runner, canonical models)
+    "smoke": 8,
+    "cli": 9,
+    "api": 10,  # train() from Python: builds the command line's arguments and calls its entry
 }
 
 KNOWN_UPWARD: set[tuple[str, str]] = set()

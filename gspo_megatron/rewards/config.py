@@ -3,13 +3,133 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import string
+from typing import Literal
 
 from gspo_megatron.rewards.code import CodeRewardConfig
 from gspo_megatron.rewards.math import MathRewardConfig
 from gspo_megatron.typed_config import check
 
 BUILTIN_TERMS = ("math", "code", "synthetic")
+MODEL_TERMS = ("reward_model", "judge")  # terms that run a model (rewards/scoring_models.py); always batched
+JUDGE_FIELDS = ("response", "prompt", "answer")  # what a judge template may name
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclasses.dataclass
+class RewardModelConfig:
+    """A Hugging Face sequence-classification reward model (``AutoModelForSequenceClassification``) as a term.
+
+    path: the model folder (``save_pretrained``; a score head and ``pad_token_id`` in its config.json).
+    tokenizer: its tokenizer folder (default: ``path``), not the policy's.
+    chat_template: render [the prompt's messages, {assistant: response}] with that tokenizer's chat template;
+        false: the policy's rendered prompt text followed by the response.
+    max_length: tokens the model reads; a longer text is cut by ``truncation``: "left" keeps the end (the
+        response), "right" keeps the start, "error" scores that response 0 and counts it as an error.
+    batch_size: texts per forward. device: "cpu" or "cuda[:N]".
+    label: the logit that is the score when the head has several labels (required then; refused otherwise).
+    normalize: "none" (the raw logit: the term must declare ``range``), "sigmoid" (in [0, 1]), "tanh"
+        (in [-1, 1]) or "softmax" (the probability of ``label`` over the labels, in [0, 1]).
+    """
+
+    path: str
+    tokenizer: str | None = None
+    chat_template: bool = True
+    max_length: int = 2048
+    truncation: Literal["left", "right", "error"] = "left"
+    batch_size: int = 8
+    device: str = "cpu"
+    label: int | None = None
+    normalize: Literal["none", "sigmoid", "tanh", "softmax"] = "none"
+
+    def validate(self, path: str) -> None:
+        check(self.max_length >= 1, f"{path}.max_length", f"must be >= 1, got {self.max_length}")
+        check(self.batch_size >= 1, f"{path}.batch_size", f"must be >= 1, got {self.batch_size}")
+        check(bool(_DEVICE.match(self.device)), f"{path}.device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        check(self.label is None or self.label >= 0, f"{path}.label", f"must be >= 0, got {self.label}")
+        check(self.normalize != "softmax" or self.label is not None, f"{path}.normalize",
+              "'softmax' is the probability of one label: set label")
+
+    @property
+    def output_range(self) -> tuple[float, float] | None:
+        """The range ``normalize`` puts scores in; None for raw logits."""
+        return {"sigmoid": (0.0, 1.0), "softmax": (0.0, 1.0), "tanh": (-1.0, 1.0)}.get(self.normalize)
+
+
+def template_fields(template: str) -> set[str]:
+    """The ``{name}`` fields of a ``str.format`` template (``{{`` / ``}}`` are literal braces)."""
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+
+
+@dataclasses.dataclass
+class JudgeConfig:
+    """A generative judge: an LLM asked through ``template`` to judge a response; its verdict parsed by a rule.
+
+    path: the judge's causal-LM folder (a family the in-process engine serves, rollout/hf_engine.py).
+    tokenizer: its tokenizer folder (default: ``path``).
+    template: the question, a ``str.format`` template with ``{response}`` and optionally ``{prompt}`` (the
+        row's prompt, or its last user message) and ``{answer}`` (the row's reference answer); ``{{``/``}}``
+        are literal braces. chat_template: send it as one user turn through the tokenizer's chat template.
+    pattern: a regex whose first group captures a number: the score (the last match in the verdict counts).
+    labels: {label: score}: the last of these words in the verdict decides. Exactly one of pattern / labels.
+    test_verdict: a verdict the rule must parse (checked at start-up: a rule that matches nothing is refused).
+    max_new_tokens: the verdict's length (greedy decoding). max_length: prompt tokens; a longer judge prompt
+        scores that response 0, counted as an error. batch_size: judge prompts decoded at once.
+    device: "cpu" or "cuda[:N]".
+    A verdict the rule does not parse scores 0 and is counted (``rewards/<key>/errors``), never a crash.
+    """
+
+    path: str
+    template: str
+    test_verdict: str
+    pattern: str | None = None
+    labels: dict[str, float] | None = None
+    tokenizer: str | None = None
+    chat_template: bool = True
+    max_new_tokens: int = 32
+    max_length: int = 4096
+    batch_size: int = 16
+    device: str = "cpu"
+
+    def validate(self, path: str) -> None:
+        try:
+            fields = template_fields(self.template)
+        except ValueError as err:
+            fields = set()
+            check(False, f"{path}.template", f"is not a valid format template ({err}); write braces as {{{{ }}}}")
+        check("response" in fields, f"{path}.template", "must contain the {response} placeholder")
+        unknown = sorted(f for f in fields if f not in JUDGE_FIELDS)
+        check(not unknown, f"{path}.template", f"may name {list(JUDGE_FIELDS)} only, got {unknown}")
+        check((self.pattern is None) != (self.labels is None), f"{path}.pattern",
+              "set exactly one of pattern (a regex capturing a number) and labels ({label: score})")
+        if self.pattern is not None:
+            try:
+                groups = re.compile(self.pattern).groups
+            except re.error as err:
+                groups = 0
+                check(False, f"{path}.pattern", f"is not a valid regex: {err}")
+            check(groups >= 1, f"{path}.pattern", "needs a group capturing the number, e.g. 'Score: ([0-9.]+)'")
+        else:
+            check(len(self.labels) >= 2 and all(self.labels), f"{path}.labels",
+                  f"needs two or more non-empty labels, got {self.labels}")
+        from gspo_megatron.rewards.verdicts import parse_verdict
+
+        check(parse_verdict(self, self.test_verdict) is not None, f"{path}.test_verdict",
+              f"the rule ({'pattern' if self.pattern is not None else 'labels'}) finds no verdict in "
+              f"{self.test_verdict!r}")
+        check(self.max_new_tokens >= 1, f"{path}.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        check(self.max_length >= 1, f"{path}.max_length", f"must be >= 1, got {self.max_length}")
+        check(self.batch_size >= 1, f"{path}.batch_size", f"must be >= 1, got {self.batch_size}")
+        check(bool(_DEVICE.match(self.device)), f"{path}.device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def output_range(self) -> tuple[float, float] | None:
+        """The labels' scores span; None for a pattern (the term declares ``range``)."""
+        if self.labels is None:
+            return None
+        low, high = min(self.labels.values()), max(self.labels.values())
+        return (low, high) if low < high else None
 
 
 @dataclasses.dataclass
@@ -19,6 +139,8 @@ class RewardTermConfig:
     A custom function is ``f(sample: dict, response: str) -> float`` (or ``async def``), or with
     ``batched: true`` ``f(samples: list[dict], responses: list[str]) -> list[float]`` (sync or async).
     ``key`` names the term in metrics (default: the built-in name or the function name).
+    ``name: reward_model`` with a ``reward_model:`` section, or ``name: judge`` with a ``judge:`` section, scores
+    with a model (RewardModelConfig, JudgeConfig; docs/rewards.md): a batched term in the reward workers.
     ``range``: [low, high] the term's rewards lie in (the built-ins: [0, 1]); a reward outside it scores
     0 and is counted as an error naming the term. Correctness (accuracy, pass@k) is the verifier's own
     verdict (``Verdict.correct``); a function that returns a plain number is correct at ``high`` when it
@@ -30,12 +152,28 @@ class RewardTermConfig:
     batched: bool = False
     key: str | None = None
     range: tuple[float, float] | None = None
+    reward_model: RewardModelConfig | None = None
+    judge: JudgeConfig | None = None
 
     def validate(self, path: str) -> None:
-        check(self.name in BUILTIN_TERMS or bool(_IMPORT_PATH.match(self.name)), f"{path}.name",
-              f"must be one of {list(BUILTIN_TERMS)} or 'module.path:function', got {self.name!r}")
-        check(not (self.batched and self.name in BUILTIN_TERMS), f"{path}.batched",
-              "applies to custom functions only")
+        named = BUILTIN_TERMS + MODEL_TERMS
+        check(self.name in named or bool(_IMPORT_PATH.match(self.name)), f"{path}.name",
+              f"must be one of {list(named)} or 'module.path:function', got {self.name!r}")
+        check(not (self.batched and self.name in named), f"{path}.batched",
+              "applies to custom functions only (reward_model and judge are batched already)")
+        for section in MODEL_TERMS:
+            given = getattr(self, section) is not None
+            check(given == (self.name == section), f"{path}.{section}",
+                  f"is required with name: {section}" if self.name == section else f"applies to name: {section} only")
+        model = self.reward_model or self.judge
+        if model is not None and model.output_range is not None:
+            check(self.range is None, f"{path}.range",
+                  f"the {self.name}'s scores lie in {list(model.output_range)} already; leave range unset")
+        elif model is not None:
+            what = "reward_model.normalize is 'none' (raw logits)" if self.reward_model else "judge.pattern's number"
+            check(self.range is not None, f"{path}.range",
+                  f"{what} has no bound: declare range [low, high] (scores outside it fail, counted)"
+                  + (" or set reward_model.normalize" if self.reward_model else ""))
         check(self.key is None or bool(re.fullmatch(r"[\w.-]+", self.key)), f"{path}.key",
               "may contain letters, digits, '_', '.', '-' only")
         if self.range is not None:
@@ -46,8 +184,12 @@ class RewardTermConfig:
 
     @property
     def declared_range(self) -> tuple[float, float] | None:
-        """The range rewards are checked against: the built-ins' [0, 1], else ``range`` (None: unchecked)."""
-        return (0.0, 1.0) if self.name in BUILTIN_TERMS else self.range
+        """The range rewards are checked against: the built-ins' [0, 1], a model term's normalised range, else
+        ``range`` (None: unchecked)."""
+        if self.name in BUILTIN_TERMS:
+            return (0.0, 1.0)
+        model = self.reward_model or self.judge
+        return model.output_range if model is not None and model.output_range is not None else self.range
 
     @property
     def metric_key(self) -> str:
@@ -106,4 +248,5 @@ class RewardConfig:
               f"must be >= 0 (0: never), got {self.stop_after_failing_batches}")
 
 
-__all__ = ["BUILTIN_TERMS", "RewardConfig", "RewardTermConfig"]
+__all__ = ["BUILTIN_TERMS", "JudgeConfig", "MODEL_TERMS", "RewardConfig", "RewardModelConfig", "RewardTermConfig",
+           "template_fields"]

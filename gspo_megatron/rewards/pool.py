@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Sequence
 
 from gspo_megatron.print_cap import PrintCap
-from gspo_megatron.rewards.config import RewardConfig
+from gspo_megatron.rewards.config import BUILTIN_TERMS, RewardConfig
 from gspo_megatron.rewards.in_process import InProcessLimits
 from gspo_megatron.rewards.sandbox import probe_isolation
 from gspo_megatron.rewards.terms import Item, Outcome, RewardSetupError, build_terms, evaluate
@@ -79,9 +79,12 @@ class Scores:
 
 
 def _judgement(outcome: Outcome, term) -> bool | None:
-    """One term's word on correctness: its verdict's own, else the top of its declared range, else none."""
+    """One term's word on correctness: its verdict's own, else the top of its declared range, else none. A
+    reward model gives a preference score, not a verdict: it never judges correctness."""
     if outcome.verdict.correct is not None:
         return outcome.verdict.correct
+    if term.name == "reward_model":
+        return None
     declared = term.declared_range
     return None if declared is None else outcome.verdict.reward == declared[1]
 
@@ -90,12 +93,29 @@ def response_correct(outcomes: list[Outcome | None], terms: list) -> bool | None
     """Whether one response is correct, from its outcome under each term (``terms``: RewardTermConfig).
 
     Only terms that count (weight != 0) decide; every one that judges (``_judgement``) must say correct. A
-    failed term (error, timeout, out of range) makes the response not correct. None when no counting term
-    judges (plain numbers without a declared range): never a threshold on an arbitrary scale."""
+    failed term (error, timeout, out of range) makes the response not correct. When no counting term judges
+    (a reward model alone), the weight-0 terms that judge decide instead: a verifier kept beside a reward
+    model as a monitor gives the run its accuracy. None when no term judges (plain numbers without a
+    declared range): never a threshold on an arbitrary scale."""
     counting = [(o, t) for o, t in zip(outcomes, terms) if t.weight != 0]
-    if any(o is None or o.verdict is None for o, _ in counting):
+    verdict = _all_judged(counting)
+    if verdict is not None:
+        return verdict
+    judging_monitors = [(o, t) for o, t in zip(outcomes, terms) if t.weight == 0 and _judges(t)]
+    return _all_judged(judging_monitors) if judging_monitors else None
+
+
+def _judges(term) -> bool:
+    """Whether ``term`` (RewardTermConfig) can judge correctness at all: a built-in verifier or a declared range
+    (a custom function's Verdict may also say so; a reward model never does)."""
+    return term.name != "reward_model" and (term.name in BUILTIN_TERMS or term.declared_range is not None)
+
+
+def _all_judged(pairs: list) -> bool | None:
+    """False when a term of ``pairs`` failed; else whether every judging term says correct (None: none judges)."""
+    if any(o is None or o.verdict is None for o, _ in pairs):
         return False
-    judged = [j for j in (_judgement(o, t) for o, t in counting) if j is not None]
+    judged = [j for j in (_judgement(o, t) for o, t in pairs) if j is not None]
     return all(judged) if judged else None
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gspo_megatron.rewards.config import RewardConfig, RewardTermConfig
 from gspo_megatron.rewards.in_process import InProcessLimits, RewardInterrupted
-from gspo_megatron.rewards.types import Verdict
+from gspo_megatron.rewards.types import RewardSetupError, Verdict
 
 Item = tuple[Mapping[str, Any], str]  # (prompt sample as a dict, response text)
 # the largest |reward| a term may return: the advantages square the centred rewards in float32
@@ -43,10 +43,6 @@ class Term:
     fn: Callable[..., Any]
     is_async: bool
     batched: bool
-
-
-class RewardSetupError(RuntimeError):
-    """A reward term cannot be built (bad import path, not callable, ...): raised at start-up."""
 
 
 def import_failure(err: BaseException) -> str:
@@ -96,6 +92,15 @@ def build_term(term: RewardTermConfig, cfg: RewardConfig, where: str) -> Term:
         from gspo_megatron.rewards.synthetic import synthetic_reward
 
         fn = synthetic_reward
+    elif term.name == "reward_model":
+        from gspo_megatron.rewards.scoring_models import RewardModelTerm  # torch: only where a model scores
+
+        return Term(term.metric_key, term.weight, RewardModelTerm(term.reward_model, f"{where}.reward_model"),
+                    False, True)
+    elif term.name == "judge":
+        from gspo_megatron.rewards.scoring_models import JudgeTerm
+
+        return Term(term.metric_key, term.weight, JudgeTerm(term.judge, f"{where}.judge"), False, True)
     else:
         fn = import_function(term.name, f"{where}.name", cfg.import_dirs)
     # a callable object with ``async def __call__`` counts as async too
@@ -154,6 +159,17 @@ async def _many_async(term: Term, items: Sequence[Item], timeout_s: float) -> li
     return list(await asyncio.gather(*(_one_async(term, item, timeout_s) for item in items)))
 
 
+def _value_outcome(value: Any, term: Term) -> Outcome:
+    """One response's outcome from a batched term's value: an Exception instance in the returned list fails
+    that response alone (scored 0, counted: a judge's unparsed verdict), anything else is a reward."""
+    if isinstance(value, Exception):
+        return _error(value, term)
+    try:
+        return Outcome(_as_verdict(value))
+    except (TypeError, ValueError) as err:
+        return _error(err, term)
+
+
 def _batched(term: Term, items: Sequence[Item], timeout_s: float, limits: InProcessLimits | None) -> list[Outcome]:
     samples, responses = [s for s, _ in items], [r for _, r in items]
     try:
@@ -166,7 +182,7 @@ def _batched(term: Term, items: Sequence[Item], timeout_s: float, limits: InProc
         values = list(values)
         if len(values) != len(items):
             raise ValueError(f"batched reward returned {len(values)} values for {len(items)} responses")
-        return [Outcome(_as_verdict(v)) for v in values]
+        return [_value_outcome(v, term) for v in values]
     except asyncio.TimeoutError:
         return [Outcome(None, "batch timed out", timed_out=True)] * len(items)
     except RewardInterrupted as err:

@@ -22,6 +22,11 @@ class Verdict:
     correct: bool | None = None
 
 
+class RewardSetupError(RuntimeError):
+    """A reward term cannot be built (bad import path, not callable, a model folder refused, ...): raised at
+    start-up."""
+
+
 def sample_mapping(sample: Any) -> Mapping[str, Any]:
     """The dict form of a prompt sample that verifiers read (``answer``, ``tests``, ``meta``, ...).
 

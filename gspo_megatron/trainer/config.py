@@ -370,10 +370,10 @@ def check_world_size(parallel: ParallelConfig, world_size: int, local: bool = Fa
 def check_reward_imports(rewards: RewardConfig) -> None:
     """Import each ``module:function`` reward term now, in this process: a failure is one line naming the
     term (rewards.import_dirs first on the path), not a reward worker's traceback."""
-    from gspo_megatron.rewards.config import BUILTIN_TERMS
+    from gspo_megatron.rewards.config import BUILTIN_TERMS, MODEL_TERMS
 
     for i, term in enumerate(rewards.terms):
-        if term.name not in BUILTIN_TERMS:
+        if term.name not in BUILTIN_TERMS + MODEL_TERMS:
             check_import(term.name, f"rewards.terms[{i}].name", rewards.import_dirs)
 
 
@@ -618,6 +618,20 @@ def resolve_paths(data: dict, config_file: Path, command_line: set[tuple[str, st
                 check_unambiguous(f"{section}.{key}", v, config_file, Path.cwd())
         absolute = lambda v: str((base / v).resolve()) if v in relative else v
         node[key] = [absolute(v) for v in value] if isinstance(value, list) else absolute(value)
+    resolve_model_term_paths(rewards, base)
+
+
+def resolve_model_term_paths(rewards: dict | None, base: Path) -> None:
+    """The model folders of reward_model / judge terms (``path``, ``tokenizer``), relative to ``base`` (the config
+    file's folder) like the other path fields."""
+    terms = rewards.get("terms") if rewards is not None else None
+    for term in terms if isinstance(terms, list) else ():
+        for section in ("reward_model", "judge"):
+            node = term.get(section) if isinstance(term, dict) else None
+            for key in ("path", "tokenizer"):
+                value = node.get(key) if isinstance(node, dict) else None
+                if isinstance(value, str) and not Path(value).is_absolute():
+                    node[key] = str((base / value).resolve())
 
 
 def check_model_folders(config: TrainConfig, config_file: str | Path | None) -> None:
