@@ -24,10 +24,9 @@ import argparse
 import json
 import math
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from gspo_megatron.testing.experiment_runs import read_metrics, train_run
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "cpu_demo.yaml"
@@ -54,21 +53,13 @@ KEYS = ("eval_accuracy", "reward_mean", "distill_kl_mean", "pg_loss", "time_step
 
 
 def run_one(run_dir: Path, overrides: list[str], env: dict, init_from: Path | None = None) -> float:
-    """One ``gspo-megatron train`` run (``--resume-or-start``); returns its wall time. A failure stops all."""
-    cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(CONFIG), "--run-dir", str(run_dir),
-           "--resume-or-start", "logging.console=false", "logging.tensorboard=false", *overrides]
-    if init_from is not None:
-        cmd += ["--init-from", str(init_from)]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{run_dir}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    return time.perf_counter() - start
+    """One ``gspo-megatron train`` run of this experiment's config; returns its wall time."""
+    return train_run(CONFIG, run_dir, ["logging.console=false", "logging.tensorboard=false", *overrides], env, REPO,
+                     init_from)
 
 
 def read_run(run_dir: Path) -> dict:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"steps": [r["step"] for r in records], **{k: [r.get(k) for r in records] for k in KEYS}}
+    return read_metrics(run_dir, KEYS)
 
 
 def last_checkpoint(run_dir: Path) -> Path:

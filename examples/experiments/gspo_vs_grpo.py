@@ -22,10 +22,9 @@ import json
 import math
 import os
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from gspo_megatron.testing.experiment_runs import read_metrics, train_run
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "experiments" / "moe_repro.yaml"
@@ -58,22 +57,12 @@ PAPER = {"gspo_clip_frac": 0.15, "grpo_clip_frac": 0.0013, "routing_drift": 0.10
 # ---- run -------------------------------------------------------------------------------------------------
 
 def run_one(run_dir: Path, overrides: list[str], env: dict, init_from: Path | None = None) -> float:
-    """One ``gspo-megatron train`` run (``--resume-or-start``: a run cut short continues from its newest checkpoint,
-    or starts again where it has none); returns its wall time in seconds. A failure stops everything."""
-    cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", "--config", str(CONFIG), "--run-dir", str(run_dir),
-           "--resume-or-start", *overrides]
-    if init_from is not None:
-        cmd += ["--init-from", str(init_from)]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{run_dir}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    return time.perf_counter() - start
+    """One ``gspo-megatron train`` run of this experiment's config; returns its wall time."""
+    return train_run(CONFIG, run_dir, overrides, env, REPO, init_from)
 
 
 def read_run(run_dir: Path) -> dict:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"steps": [r["step"] for r in records], **{k: [r.get(k) for r in records] for k in KEYS}}
+    return read_metrics(run_dir, KEYS)
 
 
 def _seed_overrides(seed: int) -> list[str]:

@@ -76,7 +76,6 @@ def kill_tagged(tag: str) -> None:
 
 def start_train(run_dir, overrides, nproc: int, env: dict):
     """``gspo-megatron train`` in the background: (process, its output lines as they come, the reader thread)."""
-    import subprocess
     import threading
 
     proc = subprocess.Popen(train_command(run_dir, *overrides, nproc=nproc), cwd=REPO, env=env,
@@ -85,3 +84,18 @@ def start_train(run_dir, overrides, nproc: int, env: dict):
     reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()
     return proc, out, reader
+
+
+def sigterm_when(proc, out: list[str], reader, tag: str, ready, what: str, timeout_s: float = 300) -> str:
+    """Wait until ``ready()`` (``what``: for the messages), SIGTERM the run, and check that it exits 0 leaving
+    nothing of its tree running; returns its whole output."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert proc.poll() is None, f"the run ended before {what}:\n" + "".join(out[-30:])
+        assert time.monotonic() < deadline, f"no {what} in time"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, "".join(out[-30:])
+    reader.join(timeout=10)
+    assert not wait_until_gone(tag, 10)
+    return "".join(out)

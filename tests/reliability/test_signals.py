@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from tests.reliability.helpers import REPO, start_train, describe, kill_tagged, tagged_env, train_command, wait_until_gone
+from tests.reliability.helpers import (REPO, describe, kill_tagged, sigterm_when, start_train, tagged_env, train_command,
+                                       wait_until_gone)
 
 pytestmark = pytest.mark.slow
 WARM = ["train.steps=1", "sft.steps=400", "eval.every_steps=0"]
@@ -89,16 +90,7 @@ def test_sigterm_stops_a_run_whose_in_process_reward_hangs(tmp_path):
                  "rewards.terms=[{name: 'tests.reliability.failing_reward:sleeps'}]"]
     proc, out, reader = start_train(run_dir, overrides, 1, env)
     try:
-        deadline = time.monotonic() + 300
-        while not started.exists():
-            assert proc.poll() is None, "the run ended before its rewards:\n" + "".join(out[-30:])
-            assert time.monotonic() < deadline, "no rewards in time"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, "".join(out[-30:])
-        reader.join(timeout=10)
-        assert not wait_until_gone(tag, 10)
-        text = "".join(out)
+        text = sigterm_when(proc, out, reader, tag, started.exists, "its rewards")
         assert "preempted: checkpoint saved at step 0; exiting (SIGTERM" in text, text[-3000:]
         assert "sleeps: skipped: stopped by SIGTERM" in text, text[-3000:]  # the first call ended, the rest skipped
     finally:
@@ -117,16 +109,8 @@ def test_sigterm_between_dynamic_sampling_rounds_ends_the_filling_and_the_run(tm
                  "rewards.terms=[{name: 'tests.reliability.failing_reward:constant'}]"]
     proc, out, reader = start_train(run_dir, overrides, 1, env)
     try:
-        deadline = time.monotonic() + 300
-        while not any("dynamic sampling round 2/64" in line for line in out):
-            assert proc.poll() is None, "the run ended before its refills:\n" + "".join(out[-30:])
-            assert time.monotonic() < deadline, "no refill in time"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, "".join(out[-30:])
-        reader.join(timeout=10)
-        assert not wait_until_gone(tag, 10)
-        text = "".join(out)
+        text = sigterm_when(proc, out, reader, tag, lambda: any("dynamic sampling round 2/64" in line for line in out),
+                            "its refills")
         assert "preempted: checkpoint saved at step 1; exiting (SIGTERM after step 1)" in text, text[-3000:]
         assert not any("dynamic sampling round 64/64" in line for line in out)
         [step1] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
