@@ -26,7 +26,7 @@ import math
 import os
 from pathlib import Path
 
-from gspo_megatron.testing.experiment_runs import read_metrics, train_run
+from gspo_megatron.testing.experiment_runs import read_metrics, train_run, write_json
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "cpu_demo.yaml"
@@ -78,7 +78,7 @@ def run(scale: str, out: Path, results: Path, seeds: int | None) -> dict:
     if data["teacher"] is None:
         wall = run_one(teacher_dir, TEACHER_SHAPE + settings["teacher"], env)
         data["teacher"] = {"wall_s": wall, **read_run(teacher_dir)}
-        _write_json(results, data)
+        write_json(results, data)
     teacher = last_checkpoint(teacher_dir)
     print(f"teacher: {teacher} (held-out accuracy {data['teacher']['eval_accuracy'][-1]})", flush=True)
     for seed in range(seeds or settings["seeds"]):
@@ -94,16 +94,9 @@ def run(scale: str, out: Path, results: Path, seeds: int | None) -> dict:
             wall = run_one(run_dir, settings["arm"] + seed_args + overrides + teacher_args, env,
                            init_from=warm / "checkpoints" / "step_000000")
             data["runs"].setdefault(arm, {})[str(seed)] = {"wall_s": wall, **read_run(run_dir)}
-            _write_json(results, data)
+            write_json(results, data)
             print(f"{arm} seed {seed}: {wall:.0f} s", flush=True)
     return data
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp.{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def accuracy_curves(data: dict) -> dict[str, tuple[list[int], list[float]]]:

@@ -24,7 +24,7 @@ import os
 import statistics
 from pathlib import Path
 
-from gspo_megatron.testing.experiment_runs import read_metrics, train_run
+from gspo_megatron.testing.experiment_runs import read_metrics, train_run, write_json
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "experiments" / "moe_repro.yaml"
@@ -94,7 +94,7 @@ def run(scale: str, out: Path, results: Path, arms: list[str], seeds: int | None
             if str(seed) not in data["warm_start"]:
                 wall = run_one(warm_dir, common + _seed_overrides(seed) + ["train.steps=0"], env)
                 data["warm_start"][str(seed)] = {"wall_s": wall, **read_run(warm_dir)}
-                _write_json(results, data)
+                write_json(results, data)
             progress.advance(task)
             init = warm_dir / "checkpoints" / "step_000000"
             for arm in arms:
@@ -102,17 +102,10 @@ def run(scale: str, out: Path, results: Path, arms: list[str], seeds: int | None
                     run_dir = out / arm / f"seed{seed}"
                     wall = run_one(run_dir, ARMS[arm] + common + _seed_overrides(seed), env, init_from=init)
                     data["runs"].setdefault(arm, {})[str(seed)] = {"wall_s": wall, **read_run(run_dir)}
-                    _write_json(results, data)
+                    write_json(results, data)
                     progress.console.print(f"{arm} seed {seed}: {wall:.0f} s")
                 progress.advance(task)
     return data
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp.{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 # ---- numbers from the results file ------------------------------------------------------------------------
@@ -227,7 +220,7 @@ def doc_block(data: dict, summary: dict, figures_rel: str) -> str:
                 lines.append(f"| {claim} | {paper} | {a} vs {b}: {_same_steps(data, a, b)} |")
         replay = [a for a in ("grpo_r2", "grpo_r3") if a in summary]
         if replay:
-            lines.append(f"| GRPO on MoE needs Routing Replay to converge | GRPO without replay collapses | eval end: "
+            lines.append("| GRPO on MoE needs Routing Replay to converge | GRPO without replay collapses | eval end: "
                          + ", ".join(f"{a} {_fmt(summary[a]['eval_end'])}" for a in ["grpo"] + replay) + " |")
         lines.append("")
     lines += [f"![{name}]({figures_rel}/{name}.png)" for name in FIGURE_NAMES]

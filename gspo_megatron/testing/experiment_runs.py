@@ -3,6 +3,7 @@ and the metrics it logged."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -30,3 +31,11 @@ def read_metrics(run_dir: Path, keys: Sequence[str]) -> dict:
     """{"steps": [...], key: [value per logged step (None where absent)]} from RUN_DIR/metrics.jsonl."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"steps": [r["step"] for r in records], **{k: [r.get(k) for r in records] for k in keys}}
+
+
+def write_json(path: Path, data: dict) -> None:
+    """``data`` to ``path`` through a temporary file renamed at the end (a results file is never half written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)

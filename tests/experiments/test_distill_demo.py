@@ -1,20 +1,18 @@
 """The distillation demonstration at CI size: the teacher, a student warm start and the three arms train
 through the real CLI for a few steps, the results file holds every run, and ``report`` draws the figure."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.runs import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "experiments" / "distill_demo.py"
 
 
 def _driver():
-    spec = importlib.util.spec_from_file_location("distill_demo", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.mark.slow

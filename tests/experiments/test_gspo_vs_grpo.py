@@ -3,21 +3,19 @@ engine's experts) train through the real CLI for 2 steps of a shrunken model, th
 metrics, and ``report`` regenerates the figures and the docs block from that file alone. Also: the block
 shipped in docs/training.md is exactly what ``report`` makes of the shipped results file (no number in
 the docs is copied by hand)."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.runs import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "experiments" / "gspo_vs_grpo.py"
 
 
 def _driver():
-    spec = importlib.util.spec_from_file_location("gspo_vs_grpo", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def _block(text, driver):
