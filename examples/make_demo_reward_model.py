@@ -6,7 +6,7 @@
 For every training prompt of examples/cpu_demo_reward_model.yaml the script writes candidate responses (the
 reference answer and near misses: the digits unsorted or reordered, one digit changed, dropped or added, the
 spaces gone), labels each with the synthetic verifier (``rewards/synthetic.py``: correct or not) and fits a
-tiny random ``Qwen2ForSequenceClassification`` (the demo tokenizer, one logit) to those labels with a binary
+tiny random ``Qwen3ForSequenceClassification`` (the demo tokenizer, one logit) to those labels with a binary
 cross-entropy. The inputs are exactly what the config's ``reward_model`` term feeds it at training time
 (``rewards/scoring_models.py reward_model_ids``). It prints the held-out agreement with the verifier on the eval
 prompts' candidates and saves the model, its tokenizer and ``training.json`` (the numbers) to ``--out``.
@@ -26,8 +26,9 @@ import torch
 import transformers
 
 from gspo_megatron.data.dataset import load_prompt_datasets
-from gspo_megatron.rewards.scoring_models import reward_model_ids
+from gspo_megatron.rewards.scoring_models import reward_model_ids, reward_model_text
 from gspo_megatron.rewards.synthetic import synthetic_reward
+from gspo_megatron.testing.experiment_runs import save_model_folder
 from gspo_megatron.trainer.components import load_tokenizer
 from gspo_megatron.trainer.config import load_config
 
@@ -48,18 +49,46 @@ def candidates(answer: str, rng: random.Random) -> list[str]:
     return [t + eos for t in texts for eos in ("", EOS)]
 
 
-def labelled(dataset, cfg, tokenizer, rng: random.Random) -> tuple[list[list[int]], list[float]]:
-    """(token ids, verifier label 0/1) of every candidate response of every prompt in ``dataset``."""
+def _mapping(sample) -> dict:
+    """The fields a reward term reads of one dataset sample."""
+    return {"prompt": sample.prompt, "prompt_text": sample.prompt_text, "answer": sample.answer,
+            "meta": sample.meta, "messages": sample.messages}
+
+
+def candidate_pairs(dataset, rng: random.Random) -> list[tuple[dict, str]]:
+    """(sample fields, response) for every candidate response of every prompt in ``dataset``."""
+    return [(_mapping(s), response) for s in dataset for response in candidates(str(s.answer), rng)]
+
+
+def policy_pairs(paths: list[Path], dataset) -> list[tuple[dict, str]]:
+    """(sample fields, response) for every response in the JSONL files at ``paths`` -- a training run's
+    ``completions.jsonl`` (``response``) or ``gspo-megatron eval --outputs`` (``greedy`` and ``samples``) of
+    this config's policy -- matched to its dataset prompt by the prompt text; each distinct pair once."""
+    by_prompt = {s.prompt_text: s for s in dataset}
+    pairs, seen = [], set()
+    for path in paths:
+        for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+            row = json.loads(line)
+            sample = by_prompt.get(row["prompt"])
+            if sample is None:
+                raise SystemExit(f"{path}:{line_no}: prompt {row['prompt']!r} is not a training prompt of {CONFIG}")
+            responses = [row["response"]] if "response" in row else [row["greedy"], *(row.get("samples") or [])]
+            for response in responses:
+                if (row["prompt"], response) not in seen:
+                    seen.add((row["prompt"], response))
+                    pairs.append((_mapping(sample), response))
+    return pairs
+
+
+def labelled(pairs: list[tuple[dict, str]], cfg, tokenizer) -> tuple[list[list[int]], list[float]]:
+    """(token ids the term feeds the model, verifier label 0/1) of every (sample fields, response) pair."""
     rows, labels = [], []
-    for sample in dataset:
-        mapping = {"prompt": sample.prompt, "prompt_text": sample.prompt_text, "answer": sample.answer,
-                   "meta": sample.meta, "messages": sample.messages}
-        for response in candidates(str(sample.answer), rng):
-            ids = reward_model_ids(tokenizer, cfg, mapping, response)
-            if isinstance(ids, Exception):
-                raise SystemExit(f"a candidate does not fit the term's max_length: {ids}")
-            rows.append(ids)
-            labels.append(float(synthetic_reward(mapping, response).correct))
+    for mapping, response in pairs:
+        ids = reward_model_ids(tokenizer, cfg, mapping, response)
+        if isinstance(ids, Exception):
+            raise SystemExit(f"a response does not fit the term's max_length: {ids}")
+        rows.append(ids)
+        labels.append(float(synthetic_reward(mapping, response).correct))
     return rows, labels
 
 
@@ -81,12 +110,47 @@ def agreement(model, rows, labels, pad: int) -> float:
     return hits / len(rows)
 
 
-def main(argv: list[str] | None = None) -> None:
+def fit(train: tuple[list, list[float]], tokenizer, steps: int, batch_size: int, lr: float, seed: int):
+    """A tiny random ``Qwen3ForSequenceClassification`` (one logit) fitted to (rows, labels) with a binary
+    cross-entropy whose positives are weighed up to the negatives' total; returns (model in eval mode, the
+    loss of each step)."""
+    rows, labels = train
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    pad = tokenizer.pad_token_id
+    # Qwen3, not Qwen2: transformers 5 loads a qwen2 folder's tokenizer as Qwen2Tokenizer, not the demo's
+    # (experiment_runs.save_model_folder checks it)
+    model = transformers.Qwen3ForSequenceClassification(transformers.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, num_labels=1, pad_token_id=pad,
+        eos_token_id=tokenizer.eos_token_id))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    positives = sum(labels) / len(labels)
+    # one right answer among many near misses: weigh the positives up so "always wrong" is not the optimum
+    loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor((1 - positives) / positives))
+    losses = []
+    for step in range(steps):
+        batch = rng.sample(range(len(rows)), min(batch_size, len(rows)))
+        ids, mask = padded([rows[i] for i in batch], pad)
+        loss = loss_fn(model(input_ids=ids, attention_mask=mask).logits[:, 0], torch.tensor([labels[i] for i in batch]))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if (step + 1) % 100 == 0:
+            print(f"step {step + 1}: loss {sum(losses[-100:]) / 100:.4f}", flush=True)
+    return model.eval(), losses
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(REPO / "runs" / "demo_reward_model"))
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "demo_reward_model")
+    parser.add_argument("--policy-samples", type=Path, nargs="*", default=[],
+                        help="responses of this config's policy (completions.jsonl of a run, or eval --outputs on "
+                             "the training prompts): labelled by the verifier, they join the candidates")
+    parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -95,42 +159,20 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(config.model)
     train_set, eval_set = load_prompt_datasets(config.data, tokenizer)
     rng = random.Random(args.seed)
-    train_rows, train_labels = labelled(train_set, term.reward_model, tokenizer, rng)
-    eval_rows, eval_labels = labelled(eval_set, term.reward_model, tokenizer, rng)
-
-    torch.manual_seed(args.seed)
+    written, sampled = candidate_pairs(train_set, rng), policy_pairs(args.policy_samples, train_set)
+    train = labelled(written + sampled, term.reward_model, tokenizer)
+    held_out = labelled(candidate_pairs(eval_set, rng), term.reward_model, tokenizer)
+    model, losses = fit(train, tokenizer, args.steps, args.batch_size, args.lr, args.seed)
     pad = tokenizer.pad_token_id
-    model = transformers.Qwen2ForSequenceClassification(transformers.Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, num_labels=1, pad_token_id=pad,
-        eos_token_id=tokenizer.eos_token_id))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    positives = sum(train_labels) / len(train_labels)
-    # one right answer among many near misses: weigh the positives up so "always wrong" is not the optimum
-    loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor((1 - positives) / positives))
-    losses = []
-    for step in range(args.steps):
-        batch = rng.sample(range(len(train_rows)), args.batch_size)
-        ids, mask = padded([train_rows[i] for i in batch], pad)
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, 0]
-        loss = loss_fn(logits, torch.tensor([train_labels[i] for i in batch]))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        if (step + 1) % 100 == 0:
-            print(f"step {step + 1}: loss {sum(losses[-100:]) / 100:.4f}", flush=True)
-    model.eval()
-    result = {"train_candidates": len(train_rows), "eval_candidates": len(eval_rows),
-              "positive_fraction": positives, "steps": args.steps,
-              "train_agreement": agreement(model, train_rows, train_labels, pad),
-              "eval_agreement": agreement(model, eval_rows, eval_labels, pad), "final_loss": losses[-1]}
-    out = Path(args.out)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / "training.json").write_text(json.dumps(result, indent=2) + "\n")
+    result = {"candidates": len(written), "policy_samples": len(sampled),
+              "eval_candidates": len(held_out[0]), "positive_fraction": sum(train[1]) / len(train[1]),
+              "steps": args.steps, "train_agreement": agreement(model, *train, pad),
+              "eval_agreement": agreement(model, *held_out, pad), "final_loss": losses[-1]}
+    save_model_folder(model, tokenizer, result, args.out,
+                      [reward_model_text(tokenizer, term.reward_model, m, r) for m, r in (written + sampled)[:2000]])
     print(json.dumps(result, indent=2))
-    print(f"saved the reward model to {out}")
+    print(f"saved the reward model to {args.out}")
+    return result
 
 
 if __name__ == "__main__":

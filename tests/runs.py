@@ -85,13 +85,3 @@ def sglang_standin_overrides(urls: list, disk_dir: str, *extra: str) -> list[str
             "rollout.max_new_tokens=4", "rollout.engine=sglang", f"rollout.sglang.urls=[{','.join(urls)}]",
             "rollout.sglang.weight_sync=disk", f"rollout.sglang.disk_dir={disk_dir}",
             "rollout.sglang.prompts_per_request=1", "rollout.sglang.backoff_s=0.01", *extra]
-
-
-def load_script(path: Path):
-    """A script that is not part of a package (examples/experiments/*.py), imported as a module by its path."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

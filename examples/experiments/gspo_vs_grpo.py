@@ -24,7 +24,7 @@ import os
 import statistics
 from pathlib import Path
 
-from gspo_megatron.testing.experiment_runs import read_metrics, train_run, write_json
+from gspo_megatron.testing.experiment_runs import read_metrics, replace_block, train_run, write_json
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "experiments" / "moe_repro.yaml"
@@ -277,15 +277,7 @@ def report(results: Path, figures: Path, doc: Path) -> dict:
     data = json.loads(results.read_text())
     summary = summarise(data)
     draw_figures(data, figures)
-    text = doc.read_text()
-    if text.count(BEGIN) != 1 or text.count(END) != 1:
-        raise ValueError(f"{doc}: needs exactly one {BEGIN} ... {END} block to replace")
-    head, rest = text.split(BEGIN)
-    tail = rest.split(END, 1)[1]
-    rel = os.path.relpath(figures, doc.parent)
-    tmp = doc.with_name(doc.name + f".tmp.{os.getpid()}")
-    tmp.write_text(head + doc_block(data, summary, rel) + tail)
-    os.replace(tmp, doc)
+    replace_block(doc, BEGIN, END, doc_block(data, summary, os.path.relpath(figures, doc.parent)))
     return summary
 
 

@@ -146,6 +146,24 @@ def normalize(logits: torch.Tensor, cfg: RewardModelConfig) -> torch.Tensor:
     return {"none": column, "sigmoid": torch.sigmoid(column), "tanh": torch.tanh(column)}[cfg.normalize]
 
 
+def judge_prompt_ids(tokenizer: Any, cfg: JudgeConfig, sample: Mapping[str, Any],
+                     response: str) -> list[int] | VerdictError:
+    """The token ids of the judge's prompt for one response (the template filled, through the chat template
+    when ``cfg.chat_template``), or the error of a row without a field the template names or of a prompt over
+    ``max_length``. What a script training a judge for this term should feed it (examples/make_demo_judge.py)."""
+    if "answer" in template_fields(cfg.template) and sample.get("answer") is None:
+        return VerdictError("the judge template names {answer} but this row has no answer")
+    text = cfg.template.format(response=response, prompt=prompt_of(sample), answer=sample.get("answer"))
+    if cfg.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    # a rendered chat template carries its own special tokens; plain text gets the tokenizer's
+    ids = tokenizer(text, add_special_tokens=not cfg.chat_template)["input_ids"]
+    if len(ids) > cfg.max_length:
+        return VerdictError(f"judge prompt of {len(ids)} tokens, over judge.max_length {cfg.max_length}")
+    return ids
+
+
 class JudgeTerm:
     """A generative judge (``JudgeConfig``): greedy verdicts from the in-process transformers engine."""
 
@@ -153,7 +171,6 @@ class JudgeTerm:
         from gspo_megatron.rollout.hf_engine import HFRolloutEngine, SUPPORTED_MODEL_TYPES
 
         self.cfg = cfg
-        self.fields = template_fields(cfg.template)
         path = _folder(cfg.path, f"{where}.path")
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -164,16 +181,6 @@ class JudgeTerm:
                                     cfg.chat_template, f"{where}.chat_template")
         if self.tokenizer.eos_token_id is None:
             raise RewardSetupError(f"{where}.tokenizer: the tokenizer in {path} has no eos token to end a verdict")
-
-    def question(self, sample: Mapping[str, Any], response: str) -> str | VerdictError:
-        """The judge's prompt text for one response, or the error of a row without a field the template names."""
-        if "answer" in self.fields and sample.get("answer") is None:
-            return VerdictError("the judge template names {answer} but this row has no answer")
-        text = self.cfg.template.format(response=response, prompt=prompt_of(sample), answer=sample.get("answer"))
-        if not self.cfg.chat_template:
-            return text
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                  add_generation_prompt=True)
 
     def verdicts(self, prompts: Sequence[list[int]]) -> list[str]:
         """Greedy verdict texts of token-id prompts, ``batch_size`` at a time (the engine's ``max_batch_rows``)."""
@@ -188,11 +195,7 @@ class JudgeTerm:
         values: list[float | Exception] = []
         prompts: list[list[int]] = []
         for sample, response in zip(samples, responses):
-            question = self.question(sample, response)
-            ids = question if isinstance(question, Exception) else self.tokenizer(
-                question, add_special_tokens=not self.cfg.chat_template)["input_ids"]
-            if not isinstance(ids, Exception) and len(ids) > self.cfg.max_length:
-                ids = VerdictError(f"judge prompt of {len(ids)} tokens, over judge.max_length {self.cfg.max_length}")
+            ids = judge_prompt_ids(self.tokenizer, self.cfg, sample, response)
             values.append(ids if isinstance(ids, Exception) else float("nan"))  # nan: filled below
             if not isinstance(ids, Exception):
                 prompts.append(ids)
@@ -207,5 +210,5 @@ class JudgeTerm:
         return values
 
 
-__all__ = ["JudgeTerm", "RewardModelTerm", "VerdictError", "normalize", "prompt_of", "reward_model_ids",
-           "reward_model_text"]
+__all__ = ["JudgeTerm", "RewardModelTerm", "VerdictError", "judge_prompt_ids", "normalize", "prompt_of",
+           "reward_model_ids", "reward_model_text"]

@@ -39,3 +39,50 @@ def write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + f".tmp.{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+def replace_block(doc: Path, begin: str, end: str, block: str) -> None:
+    """Replace the one ``begin`` ... ``end`` block of the page ``doc`` (markers included) by ``block``, through a
+    temporary file renamed at the end: the docs' generated numbers come only from a results file."""
+    text = doc.read_text()
+    if text.count(begin) != 1 or text.count(end) != 1:
+        raise ValueError(f"{doc}: needs exactly one {begin} ... {end} block to replace")
+    head, rest = text.split(begin)
+    tmp = doc.with_name(doc.name + f".tmp.{os.getpid()}")
+    tmp.write_text(head + block + rest.split(end, 1)[1])
+    os.replace(tmp, doc)
+
+
+def load_script(path: Path):
+    """A script that is not part of a package (examples/*.py), imported as a module by its path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def save_model_folder(model, tokenizer, result: dict, out: Path, texts: Sequence[str]) -> None:
+    """``model``, ``tokenizer`` and ``training.json`` (``result``) into the Hugging Face folder ``out``: written
+    beside it and renamed at the end, after checking that the folder's tokenizer, loaded as a scoring term loads
+    it (``AutoTokenizer``), gives the ids of ``texts`` that ``tokenizer`` gave in training. transformers 5 may
+    load another class than the one saved (it replaces the tokenizer of a ``qwen2`` folder by
+    ``Qwen2Tokenizer``, which splits the demo tokenizer's text differently): a model scored on other ids than
+    it learned from would score noise."""
+    import shutil
+
+    import transformers
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp)
+    for text in texts:
+        if loaded(text)["input_ids"] != tokenizer(text)["input_ids"]:
+            raise SystemExit(f"{out}: the saved folder's tokenizer ({type(loaded).__name__}) splits {text!r} into "
+                             f"{loaded(text)['input_ids']}, not the {tokenizer(text)['input_ids']} the model learned")
+    (tmp / "training.json").write_text(json.dumps(result, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)

@@ -482,25 +482,56 @@ def check_resumable(saved: dict, current: dict, checkpoint: Path) -> None:
             f"then a new run with model.hf_dir=HF_DIR (Adam state and LR schedule start over)")
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``a.b.c=value`` -> (["a", "b", "c"], YAML-parsed value)."""
+def parse_override(text: str) -> tuple[list[str | int], Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], YAML-parsed value); a list item is addressed by its index, as the
+    errors name it: ``rewards.terms[0].weight=0.5`` -> (["rewards", "terms", 0, "weight"], 0.5)."""
+    import re
+
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected dotted.key=value")
     key, raw = text.split("=", 1)
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r}: malformed key {key!r}")
-    return key.split("."), yaml.safe_load(raw) if raw != "" else ""
+    keys: list[str | int] = []
+    for part in key.split("."):
+        match = re.fullmatch(r"([^\[\]]+)((?:\[\d+\])*)", part)
+        if match is None:
+            raise ConfigError(f"override {text!r}: malformed key {key!r}")
+        keys += [match[1], *(int(i) for i in re.findall(r"\d+", match[2]))]
+    return keys, yaml.safe_load(raw) if raw != "" else ""
+
+
+def dotted_key(keys: list[str | int]) -> str:
+    """["rewards", "terms", 0, "weight"] -> "rewards.terms[0].weight" (the spelling of errors and overrides)."""
+    return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in keys).lstrip(".")
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     for text in overrides:
         keys, value = parse_override(text)
-        node = data
+        node: Any = data
         for i, key in enumerate(keys[:-1]):
+            if isinstance(key, int):
+                if not isinstance(node, list):
+                    raise ConfigError(f"override {text!r}: {dotted_key(keys[:i])} is not a list")
+                if key >= len(node):
+                    raise ConfigError(f"override {text!r}: {dotted_key(keys[:i])} has {len(node)} items, no item {key}")
+                node = node[key]
+                continue
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {dotted_key(keys[:i])} is not a section")
+            if isinstance(keys[i + 1], int):
+                node = node.get(key)
+                if not isinstance(node, list):
+                    raise ConfigError(f"override {text!r}: {dotted_key(keys[:i + 1])} is not a list")
+                continue
             child = node.setdefault(key, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {'.'.join(keys[:i + 1])} is not a section")
+                raise ConfigError(f"override {text!r}: {dotted_key(keys[:i + 1])} is not a section")
             node = child
+        if isinstance(keys[-1], int):
+            raise ConfigError(f"override {text!r}: set a field of the item ({dotted_key(keys)}.FIELD=...) or the whole "
+                              f"list ({dotted_key(keys[:-1])}=[...])")
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {text!r}: {dotted_key(keys[:-1])} is not a section")
         node[keys[-1]] = value
     return data
 
@@ -569,7 +600,7 @@ def unknown_key_line(message: str, text: str, overrides) -> int | None:
     key, _, rest = message.partition(": ")
     if not rest.startswith("unknown field") or not text:
         return None
-    from_overrides = [".".join(parse_override(o)[0]) for o in overrides]
+    from_overrides = [dotted_key(parse_override(o)[0]) for o in overrides]
     if any(key == k or key.startswith((f"{k}.", f"{k}[")) for k in from_overrides):
         return None
     return yaml_key_line(text, key)

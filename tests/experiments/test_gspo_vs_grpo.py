@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import load_script
+from gspo_megatron.testing.experiment_runs import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "experiments" / "gspo_vs_grpo.py"

@@ -123,7 +123,7 @@ JUDGE_TEMPLATE = "Question: {prompt}\nAnswer: {response}\nReference: {answer}\nV
 @pytest.mark.parametrize("workers", [0, 1])
 def test_judge_verdicts_are_parsed_batched_and_failures_counted(judge_model, workers):
     from gspo_megatron.rewards.config import JudgeConfig
-    from gspo_megatron.rewards.scoring_models import JudgeTerm
+    from gspo_megatron.rewards.scoring_models import JudgeTerm, judge_prompt_ids
 
     judge = {"path": judge_model, "template": JUDGE_TEMPLATE, "pattern": "([0-9])", "test_verdict": "score 7",
              "max_new_tokens": 8, "batch_size": 4}
@@ -131,8 +131,7 @@ def test_judge_verdicts_are_parsed_batched_and_failures_counted(judge_model, wor
         scores = pool.score_verdicts(BATCH)
     # the same judge, one response at a time: its greedy verdicts do not depend on the batch
     direct = JudgeTerm(build(JudgeConfig, judge, "judge"), "judge")
-    texts = [direct.verdicts([direct.tokenizer(direct.question(s, r), add_special_tokens=False)["input_ids"]])[0]
-             for s, r in BATCH]
+    texts = [direct.verdicts([judge_prompt_ids(direct.tokenizer, direct.cfg, s, r)])[0] for s, r in BATCH]
     parsed = [parse_verdict(direct.cfg, t) for t in texts]
     assert scores.rewards == [0.0 if p is None else p for p in parsed]
     assert scores.metrics["rewards/judge/errors"] == sum(p is None for p in parsed)

@@ -188,3 +188,32 @@ def test_a_reward_modules_syntax_error_names_its_file_and_line(tmp_path):
         load_config(path)
     assert str(err.value).startswith("rewards.terms[0].name: importing 'typo_reward' failed: SyntaxError: ")
     assert str(err.value).endswith(f"({tmp_path / 'typo_reward.py'}:3)"), str(err.value)
+
+
+RM_CONFIG = REPO / "examples" / "cpu_demo_reward_model.yaml"
+
+
+def test_an_override_sets_a_field_of_a_list_item_by_its_index(tmp_path):
+    """``rewards.terms[0].reward_model.path=...`` changes that one field and keeps the rest of the item and
+    list, as the errors spell the key."""
+    config = load_config(RM_CONFIG, [f"rewards.terms[0].reward_model.path={tmp_path}", "rewards.terms[1].weight=0.5"])
+    rm, verifier = config.rewards.terms
+    assert (rm.reward_model.path, rm.reward_model.max_length, rm.reward_model.normalize) == (str(tmp_path), 64, "sigmoid")
+    assert (verifier.name, verifier.weight) == ("synthetic", 0.5)
+    with pytest.raises(ConfigError) as err:  # a typo in an item's field: "did you mean", named with the index
+        load_config(RM_CONFIG, ["rewards.terms[1].wieght=0.5"])
+    assert str(err.value).startswith("rewards.terms[1].wieght: unknown field, did you mean 'weight'?")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rewards.terms[2].weight=1", "rewards.terms has 2 items, no item 2"),
+    ("train.steps[0].x=1", "train.steps is not a list"),
+    ("rewards.terms[0]=1", "set a field of the item (rewards.terms[0].FIELD=...) or the whole list (rewards.terms=[...])"),
+    ("data.train_files[0].x=1", "data.train_files[0] is not a section"),
+    ("rewards.terms[x].weight=1", "malformed key 'rewards.terms[x].weight'"),
+    ("train..steps=1", "malformed key 'train..steps'"),
+])
+def test_bad_list_item_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(RM_CONFIG, [override])
+    assert message in str(err.value), str(err.value)
