@@ -27,5 +27,10 @@ def test_distill_demo_pipeline_at_ci_scale(tmp_path):
         assert run["steps"] == [0, 1, 2]
         kl = [v for v in run["distill_kl_mean"] if v is not None]
         assert (len(kl) == 2) == (arm != "gspo"), arm  # the teacher's KL is logged where it is in the loss
-    driver.main(["report", "--results", str(results), "--figures", str(tmp_path / "fig")])
+    doc = tmp_path / "page.md"
+    doc.write_text(f"before\n{driver.BEGIN}\nold\n{driver.END}\nafter\n")
+    driver.main(["report", "--results", str(results), "--figures", str(tmp_path / "fig"), "--doc", str(doc)])
     assert (tmp_path / "fig" / "accuracy.png").is_file()
+    text = doc.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+    assert all(f"| {arm} | " in text for arm in driver.ARMS)
