@@ -20,7 +20,6 @@ Writes benchmarks/results/scoring_models.json and prints both tables.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -52,10 +51,10 @@ def scoring_terms(rm_dir: Path, judge_dir: Path) -> dict[str, dict]:
              if t.name == "reward_model"]
     (judge,) = [t for t in load_config(REPO / "examples" / "cpu_demo_judge.yaml").rewards.terms if t.name == "judge"]
     rm_term = {"name": "reward_model", "reward_model": {
-        "path": str(rm_dir), "chat_template": False, "max_length": rm.reward_model.max_length,
+        "path": str(rm_dir), "chat_template": rm.reward_model.chat_template, "max_length": rm.reward_model.max_length,
         "batch_size": rm.reward_model.batch_size, "normalize": rm.reward_model.normalize}}
     judge_term = {"name": "judge", "range": list(judge.range), "judge": {
-        "path": str(judge_dir), "chat_template": False, "template": judge.judge.template,
+        "path": str(judge_dir), "chat_template": judge.judge.chat_template, "template": judge.judge.template,
         "pattern": judge.judge.pattern, "test_verdict": judge.judge.test_verdict,
         "max_new_tokens": judge.judge.max_new_tokens, "batch_size": judge.judge.batch_size}}
     return {"verifier": {"name": "synthetic"}, "reward_model": rm_term, "judge": judge_term}

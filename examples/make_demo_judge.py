@@ -22,12 +22,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from gspo_megatron.data.dataset import load_prompt_datasets
 from gspo_megatron.rewards.scoring_models import judge_prompt_ids
 from gspo_megatron.rewards.verdicts import parse_verdict
-from gspo_megatron.testing.experiment_runs import save_model_folder
-from gspo_megatron.trainer.components import load_tokenizer
-from gspo_megatron.trainer.config import load_config
+from gspo_megatron.testing.experiment_runs import config_term, save_model_folder
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "cpu_demo_judge.yaml"
@@ -95,10 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    config = load_config(CONFIG)
-    (term,) = [t for t in config.rewards.terms if t.name == "judge"]
-    tokenizer = load_tokenizer(config.model)
-    train_set, eval_set = load_prompt_datasets(config.data, tokenizer)
+    term, tokenizer, train_set, eval_set = config_term(CONFIG, "judge")
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
     # Qwen3, not Qwen2: transformers 5 loads a qwen2 folder's tokenizer as Qwen2Tokenizer, not the demo's

@@ -25,12 +25,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from gspo_megatron.data.dataset import load_prompt_datasets
 from gspo_megatron.rewards.scoring_models import reward_model_ids, reward_model_text
 from gspo_megatron.rewards.synthetic import synthetic_reward
-from gspo_megatron.testing.experiment_runs import save_model_folder
-from gspo_megatron.trainer.components import load_tokenizer
-from gspo_megatron.trainer.config import load_config
+from gspo_megatron.testing.experiment_runs import config_term, save_model_folder
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "cpu_demo_reward_model.yaml"
@@ -154,10 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    config = load_config(CONFIG)
-    (term,) = [t for t in config.rewards.terms if t.name == "reward_model"]
-    tokenizer = load_tokenizer(config.model)
-    train_set, eval_set = load_prompt_datasets(config.data, tokenizer)
+    term, tokenizer, train_set, eval_set = config_term(CONFIG, "reward_model")
     rng = random.Random(args.seed)
     written, sampled = candidate_pairs(train_set, rng), policy_pairs(args.policy_samples, train_set)
     train = labelled(written + sampled, term.reward_model, tokenizer)

@@ -19,7 +19,8 @@ HEADER = """# Configuration reference
 
 One YAML file, one typed tree (`gspo_megatron/trainer/config.py`); every field below can also be set on
 the command line as `section.field=value` (YAML syntax for the value, e.g. `train.steps=40`,
-`data.train_files=[a.jsonl,b.jsonl]`). Unknown fields, wrong types and out-of-range values stop the run at
+`data.train_files=[a.jsonl,b.jsonl]`); a field of one item of a list is set by its index, as the errors
+name it (`rewards.terms[0].weight=0.5`, `rewards.terms[1].judge.batch_size=8`). Unknown fields, wrong types and out-of-range values stop the run at
 start-up with a message naming the dotted field; an unknown field also gets the closest known name and, when
 it is in the config file, its line (`c.yaml:41: train.stpes: unknown field, did you mean 'steps'? ...`). The resolved config is saved as `RUN_DIR/config.yaml`.
 

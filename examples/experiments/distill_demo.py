@@ -20,14 +20,14 @@ everything, one seed: the pipeline, not the science).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import statistics
 from pathlib import Path
 
-from gspo_megatron.testing.experiment_runs import read_metrics, replace_block, train_run, write_json
+from gspo_megatron.testing.experiment_runs import (experiment_parser, read_metrics, replace_block, train_run,
+                                                    write_json)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "cpu_demo.yaml"
@@ -184,22 +184,12 @@ def report(results: Path, figures: Path, doc: Path | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--scale", choices=sorted(SCALES), default="full")
-    r.add_argument("--out", type=Path, default=REPO / "runs" / "distill_demo")
-    r.add_argument("--results", type=Path, default=RESULTS)
-    r.add_argument("--seeds", type=int, default=None)
-    p = sub.add_parser("report")
-    p.add_argument("--results", type=Path, default=RESULTS)
-    p.add_argument("--figures", type=Path, default=FIGURES)
-    p.add_argument("--doc", type=Path, default=DOC, help="the page whose block to rewrite ('-': print only)")
+    parser = experiment_parser(__doc__.splitlines()[0], SCALES, REPO / "runs" / "distill_demo", RESULTS, FIGURES, DOC)
     args = parser.parse_args(argv)
     if args.command == "run":
         run(args.scale, args.out, args.results, args.seeds)
     else:
-        report(args.results, args.figures, None if str(args.doc) == "-" else args.doc)
+        report(args.results, args.figures, args.doc)
 
 
 if __name__ == "__main__":

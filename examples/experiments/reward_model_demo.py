@@ -23,7 +23,6 @@ one round after the first, one seed: the pipeline, not the science).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -31,7 +30,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gspo_megatron.testing.experiment_runs import load_script, read_metrics, replace_block, train_run, write_json
+from gspo_megatron.testing.experiment_runs import (experiment_parser, load_script, read_metrics, replace_block,
+                                                    train_run, write_json)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "cpu_demo_reward_model.yaml"
@@ -70,8 +70,8 @@ def _seed_overrides(seed: int) -> list[str]:
     return [f"train.seed={seed}", f"model.init_seed={1234 + seed}"]
 
 
-def run(scale: str, out: Path, results: Path, rounds: int | None, seeds: int | None) -> dict:
-    settings = SCALES[scale]
+def run(scale: str, out: Path, results: Path, rounds: int | None, seeds: int | None, extra: list[str]) -> dict:
+    settings = {**SCALES[scale], "run": SCALES[scale]["run"] + extra}
     n_rounds, n_seeds = rounds or settings["rounds"], seeds or settings["seeds"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     make_rm = load_script(MAKE_RM)
@@ -237,23 +237,15 @@ def report(results: Path, figures: Path, doc: Path | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--scale", choices=sorted(SCALES), default="full")
-    r.add_argument("--out", type=Path, default=REPO / "runs" / "reward_model_demo")
-    r.add_argument("--results", type=Path, default=RESULTS)
-    r.add_argument("--rounds", type=int, default=None)
-    r.add_argument("--seeds", type=int, default=None)
-    p = sub.add_parser("report")
-    p.add_argument("--results", type=Path, default=RESULTS)
-    p.add_argument("--figures", type=Path, default=FIGURES)
-    p.add_argument("--doc", type=Path, default=DOC, help="the page whose block to rewrite ('-': print only)")
+    parser = experiment_parser(__doc__.splitlines()[0], SCALES, REPO / "runs" / "reward_model_demo", RESULTS,
+                               FIGURES, DOC)
+    parser.run.add_argument("--rounds", type=int, default=None)
+    parser.run.add_argument("overrides", nargs="*", help="config overrides for every GSPO run (loss.kl_coef=0.1 ...)")
     args = parser.parse_args(argv)
     if args.command == "run":
-        run(args.scale, args.out, args.results, args.rounds, args.seeds)
+        run(args.scale, args.out, args.results, args.rounds, args.seeds, args.overrides)
     else:
-        report(args.results, args.figures, None if str(args.doc) == "-" else args.doc)
+        report(args.results, args.figures, args.doc)
 
 
 if __name__ == "__main__":

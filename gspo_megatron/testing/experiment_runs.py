@@ -53,6 +53,40 @@ def replace_block(doc: Path, begin: str, end: str, block: str) -> None:
     os.replace(tmp, doc)
 
 
+def config_term(config_path: Path, name: str):
+    """(the config's one term named ``name``, the policy's tokenizer, train and eval prompt datasets): what a
+    script making a scoring model for that config reads (examples/make_demo_*.py)."""
+    from gspo_megatron.data.dataset import load_prompt_datasets
+    from gspo_megatron.trainer.components import load_tokenizer
+    from gspo_megatron.trainer.config import load_config
+
+    config = load_config(config_path)
+    (term,) = [t for t in config.rewards.terms if t.name == name]
+    tokenizer = load_tokenizer(config.model)
+    return (term, tokenizer, *load_prompt_datasets(config.data, tokenizer))
+
+
+def experiment_parser(description: str, scales: Sequence[str], out: Path, results: Path, figures: Path, doc: Path):
+    """The ``run`` / ``report`` command line every experiment script has: ``run --scale --out --results
+    [--seeds]`` and ``report --results --figures --doc`` (``--doc -``: print the block only). A script adds its
+    own options to the returned parser's ``run`` sub-parser (``parser.run``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    sub = parser.add_subparsers(dest="command", required=True)
+    parser.run = sub.add_parser("run")
+    parser.run.add_argument("--scale", choices=sorted(scales), default="full")
+    parser.run.add_argument("--out", type=Path, default=out)
+    parser.run.add_argument("--results", type=Path, default=results)
+    parser.run.add_argument("--seeds", type=int, default=None)
+    report = sub.add_parser("report")
+    report.add_argument("--results", type=Path, default=results)
+    report.add_argument("--figures", type=Path, default=figures)
+    report.add_argument("--doc", type=lambda v: None if v == "-" else Path(v), default=doc,
+                        help="the page whose generated block to rewrite ('-': print it only)")
+    return parser
+
+
 def load_script(path: Path):
     """A script that is not part of a package (examples/*.py), imported as a module by its path."""
     import importlib.util

@@ -93,7 +93,8 @@ def test_the_reward_model_scores_in_the_term_what_its_script_trained_it_on(tmp_p
     ids, mask = make_rm.padded(rows, tokenizer.pad_token_id)
     with torch.no_grad():
         direct = torch.sigmoid(model(input_ids=ids, attention_mask=mask).logits[:, 0]).tolist()
-    rm = {"path": str(out), "chat_template": False, "max_length": 64, "normalize": "sigmoid"}
+    rm = {"path": str(out), "chat_template": term.reward_model.chat_template,
+          "max_length": term.reward_model.max_length, "normalize": term.reward_model.normalize}
     with RewardPool(build(RewardConfig, {"terms": [{"name": "reward_model", "reward_model": rm}], "num_workers": 0},
                           "rewards")) as pool:
         scored, _ = pool.score(pairs)

@@ -1,0 +1,44 @@
+"""The drift map at CI size: two tiny points train through the real CLI (warm start, then GRPO steps each
+reading the routing drift), the results file holds the per-layer drift and the ratio spreads, a second
+``run`` runs nothing again, and ``report`` draws the figures and rewrites the docs block."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from gspo_megatron.testing.experiment_runs import load_script
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "experiments" / "drift_map.py"
+
+
+def test_the_power_law_fit_recovers_its_exponent():
+    driver = load_script(SCRIPT)
+    a, b = driver.fit_log_linear([2, 4, 8, 16], [0.01 * x ** 0.5 for x in (2, 4, 8, 16)])
+    assert (math.exp(a), b) == (pytest.approx(0.01), pytest.approx(0.5))
+
+
+@pytest.mark.slow
+def test_drift_map_pipeline_at_ci_scale(tmp_path):
+    driver = load_script(SCRIPT)
+    results = tmp_path / "results.json"
+    argv = ["run", "--scale", "ci", "--out", str(tmp_path / "runs"), "--results", str(results)]
+    driver.main(argv)
+    data = json.loads(results.read_text())
+    points = data["points"]
+    assert sorted(points) == sorted(data["axes"]["depth"])
+    for entry in points.values():
+        run = entry["seeds"]["0"]
+        assert len(run["per_layer"]) == entry["point"]["layers"]
+        assert len(run["drift_per_step"]) == 2 and all(0.0 <= d <= 1.0 for d in run["drift_per_step"])
+        assert run["token_ratio_spread"] >= 0 and run["seq_ratio_spread"] >= 0
+    stamp = results.stat().st_mtime_ns
+    driver.main(argv)  # everything is in the results file: nothing runs, nothing is rewritten
+    assert results.stat().st_mtime_ns == stamp
+    doc = tmp_path / "page.md"
+    doc.write_text(f"before\n{driver.BEGIN}\nold\n{driver.END}\nafter\n")
+    driver.main(["report", "--results", str(results), "--figures", str(tmp_path / "fig"), "--doc", str(doc)])
+    text = doc.read_text()
+    assert "old" not in text and "| depth | 2 | 4 | 2 |" in text
+    assert all((tmp_path / "fig" / f).is_file() for f in ("drift_by_axis.png", "drift_per_layer.png", "ratio_spread.png"))
