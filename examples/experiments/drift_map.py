@@ -15,7 +15,9 @@ Per point and seed it keeps the mean drift over the steps, the drift of each lay
 fraction of (token, layer) whose expert set changed at all) and, from the same updates, the spread of the
 token-level importance ratios against the sequence-level ones (max - min of each, and the mean |log ratio|
 per token). One results file (``benchmarks/results/drift_map.json`` by default) is rewritten after every run;
-what it holds is not run again, so an interrupted ``run`` continues. ``report`` reads only that file.
+what it holds is not run again, so an interrupted ``run`` continues. A run that fails (a setting that does not
+run here) is recorded with its error, reported, and tried again by the next ``run``. ``report`` reads only that
+file.
 
 Scales: ``full`` (every point, 2 seeds) and ``ci`` (two tiny points, one seed, two steps: the pipeline).
 """
@@ -89,6 +91,25 @@ def measure(run_dir: Path, layers: int) -> dict:
     return mean
 
 
+def measure_point(p: dict, seed: int, rl_steps: int, common: list[str], out: Path, env: dict, data: dict,
+                  results: Path) -> dict:
+    """One point and seed: its warm start (made once, recorded in ``data``), then ``rl_steps`` GRPO steps from
+    it; returns ``measure`` of them and the wall time. A run that fails raises RuntimeError."""
+    seed_args = [f"train.seed={seed}", f"model.init_seed={1234 + seed}"]
+    warm_key = f"L{p['layers']}_E{p['experts']}_k{p['topk']}_w{p['warm']}_{p['precision']}_s{seed}"
+    warm_dir = out / "warm" / warm_key
+    if warm_key not in data["warm_starts"]:
+        wall = train_run(CONFIG, warm_dir, common + model_overrides(p) + seed_args + [
+            f"sft.steps={p['warm']}", "train.steps=0"], env, REPO)
+        data["warm_starts"][warm_key] = {"wall_s": wall}
+        write_json(results, data)
+    run_dir = out / "rl" / point_key(p) / f"seed{seed}"
+    wall = train_run(CONFIG, run_dir, common + model_overrides(p) + seed_args + [
+        "loss.algorithm=grpo", f"optimizer.lr={p['lr']}", f"train.steps={rl_steps}", "sft.steps=0",
+        "checkpoint.every_steps=0"], env, REPO, init_from=warm_dir / "checkpoints" / "step_000000")
+    return {"wall_s": wall, **measure(run_dir, p["layers"])}
+
+
 def run(scale: str, out: Path, results: Path, seeds: int | None, axes: list[str] | None) -> dict:
     from rich.progress import Progress
 
@@ -107,27 +128,20 @@ def run(scale: str, out: Path, results: Path, seeds: int | None, axes: list[str]
         task = progress.add_task(f"{scale}: drift map", total=len(todo) * n_seeds)
         for key, p in todo.items():
             for seed in range(n_seeds):
-                if str(seed) in data["points"].get(key, {}).get("seeds", {}):
+                done = data["points"].get(key, {}).get("seeds", {}).get(str(seed))
+                if done is not None and "failed" not in done:  # a failed run is tried again
                     progress.advance(task)
                     continue
-                seed_args = [f"train.seed={seed}", f"model.init_seed={1234 + seed}"]
-                warm_key = f"L{p['layers']}_E{p['experts']}_k{p['topk']}_w{p['warm']}_{p['precision']}_s{seed}"
-                warm_dir = out / "warm" / warm_key
-                if warm_key not in data["warm_starts"]:
-                    wall = train_run(CONFIG, warm_dir, common + model_overrides(p) + seed_args + [
-                        f"sft.steps={p['warm']}", "train.steps=0"], env, REPO)
-                    data["warm_starts"][warm_key] = {"wall_s": wall}
-                    write_json(results, data)
-                run_dir = out / "rl" / key / f"seed{seed}"
-                wall = train_run(CONFIG, run_dir, common + model_overrides(p) + seed_args + [
-                    "loss.algorithm=grpo", f"optimizer.lr={p['lr']}", f"train.steps={settings['rl_steps']}",
-                    "sft.steps=0", "checkpoint.every_steps=0"], env, REPO,
-                    init_from=warm_dir / "checkpoints" / "step_000000")
                 entry = data["points"].setdefault(key, {"point": p, "seeds": {}})
-                entry["seeds"][str(seed)] = {"wall_s": wall, **measure(run_dir, p["layers"])}
+                try:
+                    entry["seeds"][str(seed)] = measure_point(p, seed, settings["rl_steps"], common, out, env, data,
+                                                              results)
+                    line = f"drift {entry['seeds'][str(seed)]['routing_drift']:.4f}"
+                except RuntimeError as err:  # a setting that does not run here (bf16 on CPU?) is a finding
+                    entry["seeds"][str(seed)] = {"failed": str(err)[-2000:]}
+                    line = f"FAILED: {str(err).splitlines()[-1][:200]}"
                 write_json(results, data)
-                progress.console.print(f"{key} seed {seed}: drift {entry['seeds'][str(seed)]['routing_drift']:.4f} "
-                                       f"({wall:.0f} s)")
+                progress.console.print(f"{key} seed {seed}: {line}")
                 progress.advance(task)
     return data
 
@@ -139,7 +153,9 @@ def summarise(data: dict) -> dict[str, dict]:
     per-layer drift; the mean step time."""
     out = {}
     for key, entry in data["points"].items():
-        runs = list(entry["seeds"].values())
+        runs = [r for r in entry["seeds"].values() if "failed" not in r]
+        if not runs:
+            continue
         stat = {}
         for k in ("routing_drift", "routing_drift_set", "token_ratio_spread", "seq_ratio_spread", "abs_log_ratio_mean",
                   "time_step_s", "reward_mean"):
@@ -238,6 +254,11 @@ def doc_block(data: dict, summary: dict, figures_rel: str) -> str:
             lines.append(f"| {axis} | {p['layers']} | {p['experts']} | {p['topk']} | {p['lr']:g} | {p['warm']} | "
                          f"{p['precision']} | {s['seeds']} | {_fmt(s['routing_drift'])} | {_fmt(s['routing_drift_set'])} | "
                          f"{_fmt(s['token_ratio_spread'])} | {_fmt(s['seq_ratio_spread'])} | {_fmt(s['time_step_s'])} |")
+    failed = [(k, seed, r["failed"].strip().splitlines()[-1][:160]) for k, e in data["points"].items()
+              for seed, r in e["seeds"].items() if "failed" in r]
+    if failed:
+        lines += ["", "Runs that failed (kept out of the table): " + "; ".join(
+            f"`{k}` seed {seed}: {why}" for k, seed, why in failed) + "."]
     for axis in ("depth", "lr"):
         keys = [k for k in data["axes"].get(axis, []) if k in summary and summary[k]["routing_drift"][0] > 0]
         if len(keys) >= 2:

@@ -42,3 +42,20 @@ def test_drift_map_pipeline_at_ci_scale(tmp_path):
     text = doc.read_text()
     assert "old" not in text and "| depth | 2 | 4 | 2 |" in text
     assert all((tmp_path / "fig" / f).is_file() for f in ("drift_by_axis.png", "drift_per_layer.png", "ratio_spread.png"))
+
+
+def test_a_point_that_does_not_run_is_recorded_reported_and_tried_again(tmp_path, monkeypatch):
+    """A setting the trainer refuses (here 0 layers) does not stop the map: its error is kept in the results
+    file, the report names it, and the next ``run`` tries it again."""
+    driver = load_script(SCRIPT)
+    monkeypatch.setitem(driver.SCALES["ci"], "axes", {"depth": [driver.point(0, 4, 2, warm=0)]})
+    results = tmp_path / "results.json"
+    argv = ["run", "--scale", "ci", "--out", str(tmp_path / "runs"), "--results", str(results)]
+    driver.main(argv)
+    (entry,) = json.loads(results.read_text())["points"].values()
+    assert "num_layers" in entry["seeds"]["0"]["failed"]
+    stamp = results.stat().st_mtime_ns
+    driver.main(argv)
+    assert results.stat().st_mtime_ns != stamp  # tried again, rewritten
+    block = driver.doc_block(json.loads(results.read_text()), {}, "fig")
+    assert "Runs that failed" in block and "L0_E4_k2" in block
