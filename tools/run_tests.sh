@@ -31,6 +31,7 @@ SGLANG_SUBSET=(
   tests/rollout/test_sglang_cpu_server.py
   tests/trainer/test_sglang_cpu_train.py
   tests/rollout/test_sglang_cpu_partial.py
+  tests/rewards/test_served_reward_model.py
 )
 
 legs=${GSPO_LEGS:-py311 py312 sglang}

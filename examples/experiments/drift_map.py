@@ -45,14 +45,15 @@ def point(layers: int, experts: int, topk: int, lr: float = 3e-4, warm: int = 60
     return {"layers": layers, "experts": experts, "topk": topk, "lr": lr, "warm": warm, "precision": precision}
 
 
-# every axis around one centre (4 layers, 16 experts, top-4, lr 3e-4, 60 warm-start steps, fp32)
+# every axis around one centre (4 layers, 16 experts, top-4, lr 3e-4, 60 warm-start steps, fp32); the cheap axes
+# first, so that an interrupted map has them (run order is this order; the deep models cost most)
 AXES = {
-    "depth": [point(n, 16, 4) for n in (2, 4, 8, 16, 48)],
-    "experts": [point(4, e, min(4, e // 2)) for e in (4, 16, 64, 128)],
-    "topk": [point(4, 64, k) for k in (2, 4, 8)],
     "lr": [point(4, 16, 4, lr=lr) for lr in (3e-5, 1e-4, 3e-4, 1e-3, 3e-3)],
     "warm": [point(4, 16, 4, warm=w) for w in (0, 20, 60, 200)],
+    "topk": [point(4, 64, k) for k in (2, 4, 8)],
+    "experts": [point(4, e, min(4, e // 2)) for e in (4, 16, 64, 128)],
     "precision": [point(4, 16, 4, precision=p) for p in ("fp32", "bf16")],
+    "depth": [point(n, 16, 4) for n in (2, 4, 8, 16, 48)],
     "paper_shape": [point(48, 128, 8)],
 }
 SCALES = {

@@ -31,9 +31,15 @@ class RewardModelConfig:
     label: the logit that is the score when the head has several labels (required then; refused otherwise).
     normalize: "none" (the raw logit: the term must declare ``range``), "sigmoid" (in [0, 1]), "tanh"
         (in [-1, 1]) or "softmax" (the probability of ``label`` over the labels, in [0, 1]).
+    server: the URL of an SGLang server (0.5.23) serving the model in ``path`` (``python -m
+        sglang.launch_server --model-path PATH``): the logits come from its ``POST /classify``, ``batch_size``
+        texts per request, and the term loads no weights (``path`` still gives the labels and the tokenizer);
+        ``server_timeout_s`` bounds one request. null: the model runs in the reward worker (``device``).
     """
 
     path: str
+    server: str | None = None
+    server_timeout_s: float = 60.0
     tokenizer: str | None = None
     chat_template: bool = True
     max_length: int = 2048
@@ -50,6 +56,9 @@ class RewardModelConfig:
         check(self.label is None or self.label >= 0, f"{path}.label", f"must be >= 0, got {self.label}")
         check(self.normalize != "softmax" or self.label is not None, f"{path}.normalize",
               "'softmax' is the probability of one label: set label")
+        check(self.server is None or bool(re.fullmatch(r"https?://[^/\s]+(/[^\s]*)?", self.server)), f"{path}.server",
+              f"must be an http(s) URL such as http://host:30000, got {self.server!r}")
+        check(self.server_timeout_s > 0, f"{path}.server_timeout_s", f"must be > 0, got {self.server_timeout_s}")
 
     @property
     def output_range(self) -> tuple[float, float] | None:

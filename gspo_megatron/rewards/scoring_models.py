@@ -75,13 +75,16 @@ class RewardModelTerm:
             # the classification head pools each row's last non-pad token: a batch cannot be padded without it
             raise RewardSetupError(f"{where}.path: {path}/config.json has no pad_token_id; set it to the "
                                    f"tokenizer's pad token id (the head reads each text's last non-pad token)")
-        self.model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
-            path, local_files_only=True, output_loading_info=True, dtype=torch.float32)
-        if info["missing_keys"]:
-            # from_pretrained initialises missing weights at random: a missing score head scores noise
-            raise RewardSetupError(f"{where}.path: {path} lacks weights {sorted(info['missing_keys'])[:4]}; "
-                                   f"a score head initialised at random would score noise")
-        self.model.to(cfg.device).eval()
+        self.num_labels = config.num_labels
+        self.model = None  # served: the SGLang server holds the weights
+        if cfg.server is None:
+            self.model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
+                path, local_files_only=True, output_loading_info=True, dtype=torch.float32)
+            if info["missing_keys"]:
+                # from_pretrained initialises missing weights at random: a missing score head scores noise
+                raise RewardSetupError(f"{where}.path: {path} lacks weights {sorted(info['missing_keys'])[:4]}; "
+                                       f"a score head initialised at random would score noise")
+            self.model.to(cfg.device).eval()
         self.pad_id = config.pad_token_id
         self.tokenizer = _tokenizer(_folder(cfg.tokenizer or path, f"{where}.tokenizer"), f"{where}.tokenizer",
                                     cfg.chat_template, f"{where}.chat_template")
@@ -96,12 +99,39 @@ class RewardModelTerm:
         out: list[float] = []
         for start in range(0, len(rows), self.cfg.batch_size):
             chunk = rows[start:start + self.cfg.batch_size]
+            if self.model is None:
+                out.extend(normalize(self.served_logits(chunk), self.cfg).tolist())
+                continue
             width = max(len(r) for r in chunk)
             ids = torch.tensor([r + [self.pad_id] * (width - len(r)) for r in chunk], device=self.cfg.device)
             mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in chunk], device=self.cfg.device)
             logits = self.model(input_ids=ids, attention_mask=mask).logits.float()  # [B, num_labels]
             out.extend(normalize(logits, self.cfg).tolist())
         return out
+
+    def served_logits(self, rows: Sequence[list[int]]) -> torch.Tensor:
+        """[B, num_labels] logits of token-id rows from the SGLang server's ``POST /classify``.
+
+        SGLang 0.5.23 (read in its source): the body is ``EmbeddingReqInput`` (``srt/managers/io_struct.py``)
+        with ``input_ids`` a list of rows; a classification model (``Qwen3ForSequenceClassification``,
+        ``Qwen2ForRewardModel``, ... ``srt/configs/model_config.py is_generation_model``) answers one
+        ``{"embedding": [logit per label], "meta_info": ...}`` per row, in order
+        (``srt/managers/tokenizer_manager.py``), its head read at the last token (``srt/layers/pooler.py``
+        ``PoolingType.LAST``), as the in-process model's is. A server that is down or refuses raises, and the
+        pool counts the batch as failed like any reward error."""
+        from gspo_megatron.rollout.sglang.http import request
+
+        answer = request(self.cfg.server, "POST", "/classify", {"input_ids": [list(r) for r in rows]},
+                         timeout_s=self.cfg.server_timeout_s)
+        if isinstance(answer, dict):  # a single input is answered without the list
+            answer = [answer]
+        if not isinstance(answer, list) or len(answer) != len(rows):
+            raise RuntimeError(f"{self.cfg.server}/classify: expected {len(rows)} results, got {str(answer)[:300]}")
+        logits = torch.tensor([item["embedding"] for item in answer], dtype=torch.float32)
+        if logits.shape != (len(rows), self.num_labels):
+            raise RuntimeError(f"{self.cfg.server}/classify: logits of shape {tuple(logits.shape)}, expected "
+                               f"{(len(rows), self.num_labels)} ({self.num_labels} labels in {self.cfg.path})")
+        return logits
 
     def __call__(self, samples: Sequence[Mapping[str, Any]], responses: Sequence[str]) -> list[float | Exception]:
         encoded = [self.token_ids(s, r) for s, r in zip(samples, responses)]
