@@ -9,6 +9,8 @@ malformed URL by name.
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import transformers
@@ -97,3 +99,23 @@ def test_served_scores_are_the_in_process_models_up_to_sglangs_random_score_bias
     shift = [s - x for s, x in zip(served, local)]
     assert max(shift) - min(shift) < 1e-4, shift  # the same model and ids: only the constant differs
     assert abs(shift[0]) <= 1 / 64 ** 0.5 + 1e-4  # within nn.Linear's initial bias bound for hidden 64
+
+
+@_needs_sglang
+def test_a_zero_score_bias_in_the_checkpoint_removes_the_constant(reward_model, tmp_path):
+    """The remedy docs/rewards.md gives: a ``score.bias`` of zeros saved in the checkpoint is loaded by the
+    server, and the served scores then equal the in-process term's."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "with_bias"
+    shutil.copytree(reward_model, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["score.bias"] = torch.zeros(weights["score.weight"].shape[0])
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    slot = _sglang_server(folder, tmp_path)
+    try:
+        served, _ = _scores(folder, server=slot.url)
+    finally:
+        slot.process.stop()
+    local, _ = _scores(reward_model)
+    assert served == pytest.approx(local, abs=1e-4)
