@@ -183,6 +183,7 @@ def figures(data: dict, summary: dict, out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -196,6 +197,9 @@ def figures(data: dict, summary: dict, out: Path) -> list[Path]:
         ax.axhline(PAPER_DRIFT, color="grey", linestyle="--", label="paper (48 L, 128 E)")
         ax.set_xscale("log" if axis in ("lr", "experts", "depth") else "linear")
         ax.set_yscale("log")
+        ax.set_xticks(xs, [f"{x:g}" for x in xs], fontsize=7)
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(AXIS_X[axis])
         ax.set_title(f"drift vs {axis}", fontsize=9)
     panels[0][0].set_ylabel("experts changed per update (fraction)")
