@@ -62,14 +62,18 @@ def test_a_malformed_server_url_is_refused_by_name(reward_model, url):
         _scores(reward_model, server=url)
 
 
-def _sglang_server(folder, tmp):
+def _served_scores(folder, tmp):
+    """(rewards, metrics) of the batch scored by a real SGLang CPU server of ``folder``, stopped afterwards."""
     from gspo_megatron.rollout.sglang.config import SGLangConfig
     from gspo_megatron.rollout.sglang.engine import launch_servers
     from tests.rollout.sglang_cpu_models import cpu_launch
 
     (slot,) = launch_servers(build(SGLangConfig, {"launch": cpu_launch(folder, tmp), "release_memory": False},
                                    "rollout.sglang"))
-    return slot
+    try:
+        return _scores(folder, server=slot.url)
+    finally:
+        slot.process.stop()
 
 
 def _needs_sglang(test):
@@ -88,11 +92,7 @@ def test_served_scores_are_the_in_process_models_up_to_sglangs_random_score_bias
     bias, which transformers' head (``bias=False``) has not; the checkpoint holds no ``score.bias``, so the
     server keeps its random initial bias (|b| <= 1/sqrt(hidden)): every score is shifted by one constant per
     server start. If SGLang fixes it, the constant is 0 and this test still passes."""
-    slot = _sglang_server(reward_model, tmp_path)
-    try:
-        served, metrics = _scores(reward_model, server=slot.url)
-    finally:
-        slot.process.stop()
+    served, metrics = _served_scores(reward_model, tmp_path)
     local, _ = _scores(reward_model)
     assert metrics["rewards/reward_model/errors"] == 0
     assert max(local) - min(local) > 0.1  # the responses score differently: equal scores would prove nothing
@@ -112,10 +112,6 @@ def test_a_zero_score_bias_in_the_checkpoint_removes_the_constant(reward_model, 
     weights = load_file(folder / "model.safetensors")
     weights["score.bias"] = torch.zeros(weights["score.weight"].shape[0])
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    slot = _sglang_server(folder, tmp_path)
-    try:
-        served, _ = _scores(folder, server=slot.url)
-    finally:
-        slot.process.stop()
+    served, _ = _served_scores(folder, tmp_path)
     local, _ = _scores(reward_model)
     assert served == pytest.approx(local, abs=1e-4)
