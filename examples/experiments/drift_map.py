@@ -55,6 +55,8 @@ AXES = {
     "precision": [point(4, 16, 4, precision=p) for p in ("fp32", "bf16")],
     "depth": [point(n, 16, 4) for n in (2, 4, 8, 16, 48)],
     "paper_shape": [point(48, 128, 8)],
+    # controls: an update too small to change a weight (lr > 0 is required), so any drift read is numerics
+    "zero_update": [point(4, 16, 4, lr=1e-10, precision=p) for p in ("fp32", "bf16")],
 }
 SCALES = {
     "full": {"seeds": 2, "rl_steps": 4, "axes": AXES, "overrides": []},
