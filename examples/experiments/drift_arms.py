@@ -20,7 +20,7 @@ A run *collapses* (``collapse``) when its train reward over the last quarter of 
 of its reward over its first ``EARLY`` steps; ``collapse_step`` is the first step whose trailing
 ``EARLY``-step mean falls below that half.
 
-Scales: ``full`` (3 seeds, 200 RL steps of 16 prompts x 8 samples, 4 updates each: 800 updates per run) and
+Scales: ``full`` (3 seeds, 150 RL steps of 16 prompts x 8 samples, 4 updates each: 600 updates per run) and
 ``ci`` (one seed, 2 steps of a shrunken model and batch: the pipeline, not the science).
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ REGIMES = {"paper_drift": 3e-3, "low_drift": 3e-5}
 WARM_STEPS = 60
 EARLY = 10
 SCALES = {
-    "full": {"seeds": 3, "overrides": ["train.steps=200", "eval.every_steps=20", "checkpoint.every_steps=50",
+    "full": {"seeds": 3, "overrides": ["train.steps=150", "eval.every_steps=25", "checkpoint.every_steps=50",
                                        "checkpoint.keep_last=1"]},
     "ci": {"seeds": 1, "overrides": ["train.steps=2", "train.prompts_per_step=2", "rollout.samples_per_prompt=4",
                                      "train.minibatches_per_step=2", "eval.every_steps=2", "eval.num_prompts=4",
