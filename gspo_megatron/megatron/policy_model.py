@@ -184,6 +184,17 @@ class PolicyModel:
         self.optimizer, self.scheduler = build_optimizer(optim, self.ddp, self.parallel.distributed_optimizer,
                                                          self.runtime.precision)
 
+    def reload_main_weights(self) -> None:
+        """Copy the parameters into the optimizer's fp32 main weights, after they were written outside the
+        optimizer (an initialisation, a weights-only or Hugging Face load). Megatron's mixed-precision
+        optimizers (bf16 / fp16: Float16OptimizerWithFloat16Params and the distributed optimizer) step fp32
+        copies made when the optimizer was built and write them back over the parameters, so without this the
+        first step returns the model to the weights it was built with (megatron-core 0.16.1
+        optimizer/optimizer.py ``reload_model_params``, which Megatron's own training calls after a load
+        without optimizer state). A frozen model has no optimizer."""
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+
     # ---- helpers -------------------------------------------------------------------------------
     @property
     def pad_multiple(self) -> int:

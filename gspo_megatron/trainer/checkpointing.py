@@ -22,6 +22,7 @@ def initialise_weights(policy, model_config, model_section) -> None:
         from gspo_megatron.megatron.canonical_init import initialise_canonical
 
         initialise_canonical(policy.module, model_config, model_section.init_seed)
+        policy.reload_main_weights()
         return
     load_hf_weights(policy, model_config, model_section.hf_dir)
 
@@ -35,6 +36,7 @@ def load_hf_weights(policy, model_config, hf_dir) -> None:
         check_declared_dtype(hf)
         canonical = {e.megatron: e.transform.to_megatron([hf.read(n) for n in e.hf]) for e in expand(model_config)}
     sharding.load_full_state_dict(policy.module, canonical)
+    policy.reload_main_weights()
 
 
 def copy_weights(src, dst) -> None:
@@ -49,6 +51,7 @@ def load_weights_only(policy, path: Path) -> None:
     state = ckpt.load({"model": sharding.sharded_state_dict(policy.module, prefix="model.",
                                                             per_layer=ckpt.per_layer_keys(path))}, path)
     sharding.load_module_state(policy.module, state["model"], prefix="model.")
+    policy.reload_main_weights()
 
 
 def latest_checkpoint(run_dir: Path, is_main: bool) -> Path | None:

@@ -6,6 +6,8 @@ fp32 main weights in Megatron's Float16OptimizerWithFloat16Params; no CPU shim w
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ def _policy(config, runtime, lr=1e-2):
                          runtime=runtime)
     sharding.load_full_state_dict(policy.module, canonical_weights(config, seed=1))
     # the optimizer's fp32 main weights were copied at construction: start them from the loaded weights
-    policy.reset_optimizer()
+    policy.reload_main_weights()
     return policy
 
 
@@ -115,6 +117,58 @@ def test_bf16_learns_and_resumes_exactly(tmp_path):
     losses = out["losses"]
     assert losses[-1] < 0.7 * losses[0], losses
     assert out["resumed_exactly"] and out["dtype"] == "torch.bfloat16"
+
+
+def weights_written_outside_the_optimizer_worker(rank, world_size, config, tmp, distributed_optimizer):
+    """bf16 (fp32 main weights built with the optimizer): weights written without the optimizer (the canonical
+    initialisation; a weights-only checkpoint, ``--init-from``; a Hugging Face folder takes the same
+    ``reload_main_weights``), then one optimizer step at lr 1e-10, which moves no weight by a bf16 unit."""
+    from types import SimpleNamespace
+
+    from gspo_megatron.algorithms.config import LossConfig
+    from gspo_megatron.megatron import checkpoint, sharding
+    from gspo_megatron.megatron.optimizer import OptimizerConfig
+    from gspo_megatron.megatron.parallel import ParallelConfig, initialize_model_parallel
+    from gspo_megatron.megatron.policy_model import PolicyModel
+    from gspo_megatron.trainer import checkpointing
+    from tests.megatron.train_workers import make_sequences
+
+    initialize_model_parallel(ParallelConfig(), seed=0)
+    parallel = ParallelConfig(distributed_optimizer=distributed_optimizer)
+    source = _policy(config, ModelRuntime(precision="bf16"))
+    checkpoint.save({"model": sharding.sharded_state_dict(source.module, prefix="model.")}, f"{tmp}/weights")
+
+    def params(policy):
+        return {k: v.detach().clone() for k, v in policy.module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    out = {}
+    loads = {"canonical": lambda p: checkpointing.initialise_weights(p, config, SimpleNamespace(hf_dir=None, init_seed=7)),
+             "init_from": lambda p: checkpointing.load_weights_only(p, Path(f"{tmp}/weights"))}
+    for name, load in loads.items():
+        policy = PolicyModel(config, parallel, OptimizerConfig(lr=1e-10, clip_grad=0.0), LossConfig(),
+                             runtime=ModelRuntime(precision="bf16"))
+        built = params(policy)
+        load(policy)
+        loaded = params(policy)
+        policy.sft_forward_backward(make_sequences(config, count=4))
+        policy.optimizer_step()
+        after = params(policy)
+        out[name] = {"load_changed": any(not torch.equal(built[k], v) for k, v in loaded.items()),
+                     "kept": sorted(k for k in loaded if torch.equal(after[k], loaded[k])), "keys": sorted(loaded)}
+    return out
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_weights_written_outside_the_optimizer_survive_its_first_step(tmp_path, distributed_optimizer):
+    """Without ``reload_main_weights`` Megatron's mixed-precision optimizer writes its construction-time fp32
+    copies back at the first step: a bf16 run from ``--init-from`` or ``model.hf_dir`` (the GPU path) trained
+    the weights the model was built with. Found by the drift map's zero-update control: 75 % of the experts
+    changed at a bf16 step of lr 1e-10."""
+    out = run_distributed(weights_written_outside_the_optimizer_worker, 1,
+                          (tiny_moe_config(), str(tmp_path), distributed_optimizer))[0]
+    for name, result in out.items():
+        assert result["load_changed"], name  # the load wrote other weights than those built
+        assert result["kept"] == result["keys"], (name, sorted(set(result["keys"]) - set(result["kept"])))
 
 
 # ---- choices --------------------------------------------------------------------------------------
