@@ -1,4 +1,4 @@
-"""The paper's MoE claim at the paper's routing drift: GSPO, GRPO, GRPO + R2, GRPO + R3 and SAPO at two drift
+"""The paper's MoE claim at the paper's routing drift: GSPO, GRPO, GRPO + R2, GRPO + R3 and SAPO at the drift
 regimes the drift map found, on the CPU demo task.
 
     python examples/experiments/drift_arms.py run --scale full --jobs 2    # resumable, run by run
@@ -7,18 +7,18 @@ regimes the drift map found, on the CPU demo task.
 The paper (GSPO, section 5.3): after each update of a 48-layer, 128-expert MoE about 10 % of the activated
 experts change, token-level importance ratios then fluctuate, GRPO needs Routing Replay to converge and GSPO
 does not. The drift map (``drift_map.py``) reaches that drift on CPU with the learning rate: a 4-layer,
-16-expert top-4 Qwen3-MoE on the demo's sort task drifts 8.5 % per GRPO update at lr 3e-3 and 0.2 % at 3e-5
-(our earlier reproduction's level). ``run`` trains that model, per seed one 60-step supervised warm start
-(``train.steps=0``; shared by both regimes and every arm of the seed, so the arms of a seed differ only in
+16-expert top-4 Qwen3-MoE on the demo's sort task drifts 8.5 % per GRPO update at lr 3e-3, 3.9 % at 1e-3 and
+0.2 % at 3e-5 (our earlier reproduction's level). ``run`` trains that model, per seed one 60-step supervised warm
+start (``train.steps=0``; shared by every regime and every arm of the seed, so the arms of a seed differ only in
 the algorithm and the learning rate), then every arm of ``ARMS`` at every regime of ``REGIMES`` from it
 (``--init-from``), each run one ``gspo-megatron train`` process. ``--jobs 2`` runs two at a time (one thread
 each; a 2-core machine). One results file (``benchmarks/results/drift_arms.json`` by default) is rewritten
 after every run; what it holds is not run again, and a run cut short resumes from its last checkpoint.
 ``report`` reads only that file.
 
-A run *collapses* (``collapse``) when its train reward over the last quarter of its steps falls below half
-of its reward over its first ``EARLY`` steps; ``collapse_step`` is the first step whose trailing
-``EARLY``-step mean falls below that half.
+A run *collapses* (``collapse``) when its train reward over the last quarter of its steps is below half of its
+step-1 reward (step 1 samples the warm start itself); it collapsed at the first step from which its reward never
+again reaches that half.
 
 Scales: ``full`` (3 seeds, 150 RL steps of 16 prompts x 8 samples, 4 updates each: 600 updates per run) and
 ``ci`` (one seed, 2 steps of a shrunken model and batch: the pipeline, not the science).
@@ -26,13 +26,12 @@ Scales: ``full`` (3 seeds, 150 RL steps of 16 prompts x 8 samples, 4 updates eac
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gspo_megatron.testing.experiment_runs import (experiment_parser, load_script, read_metrics, replace_block,
+from gspo_megatron.testing.experiment_runs import (experiment_parser, load_script, publish_block, read_metrics,
                                                     train_run, write_json)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,13 +50,13 @@ ARMS = {
     "grpo_r3": ["loss.algorithm=grpo", "train.routing_replay=r3"],
     "sapo": ["loss.algorithm=sapo"],
 }
-# the drift map's centre shape (4 layers, 16 experts, top-4, expert width 32) at the two learning rates whose
-# GRPO drift per update is closest to the paper's ~10 % and to our earlier reproduction's ~0.1 %
+# the drift map's centre shape (4 layers, 16 experts, top-4, expert width 32) at the learning rates whose GRPO
+# drift per update is closest to the paper's ~10 % and to our earlier reproduction's ~0.1 %, and one between
+# (at 3e-3 every arm collapsed within 3 steps, so the paper's drift alone says nothing about replay there)
 MODEL = ["model.config.num_layers=4", "model.config.num_experts=16", "model.config.moe_router_topk=4",
          "model.config.moe_ffn_hidden_size=32"]
-REGIMES = {"paper_drift": 3e-3, "low_drift": 3e-5}
+REGIMES = {"paper_drift": 3e-3, "mid_drift": 1e-3, "low_drift": 3e-5}
 WARM_STEPS = 60
-EARLY = 10
 SCALES = {
     "full": {"seeds": 3, "overrides": ["train.steps=150", "eval.every_steps=25", "checkpoint.every_steps=50",
                                        "checkpoint.keep_last=1"]},
@@ -72,17 +71,20 @@ def _seed_overrides(seed: int) -> list[str]:
     return [f"train.seed={seed}", f"model.init_seed={1234 + seed}"]
 
 
-def collapse(rewards: list[float], early: int = EARLY) -> tuple[bool, int | None]:
-    """(collapsed, first collapse step) of one run's per-RL-step train rewards (index 0 = step 1): collapsed
-    when the mean of the last quarter is below half the mean of the first ``early`` steps; the collapse step
-    is the first step whose trailing ``early``-step mean is below that half (None when none is)."""
-    if len(rewards) < 2 * early:
+def collapse(rewards: list[float]) -> tuple[bool, int | None]:
+    """(collapsed, collapse step) of one run's per-RL-step train rewards (index 0 = step 1, whose samples come
+    from the warm start itself): collapsed when the mean over the last quarter of the steps is below half of
+    step 1's reward; the collapse step is the first step from which the reward never again reaches that half."""
+    if len(rewards) < 4:
         return False, None
-    half = 0.5 * sum(rewards[:early]) / early
+    half = 0.5 * rewards[0]
     last = rewards[-max(1, len(rewards) // 4):]
-    trailing = [sum(rewards[i - early:i]) / early for i in range(early, len(rewards) + 1)]
-    step = next((i for i, m in zip(range(early, len(rewards) + 1), trailing) if m < half), None)
-    return sum(last) / len(last) < half, step
+    if sum(last) / len(last) >= half:
+        return False, None
+    step = len(rewards)
+    while step > 1 and rewards[step - 2] < half:
+        step -= 1
+    return True, step
 
 
 def run(scale: str, out: Path, results: Path, seeds: int | None, arms: list[str], regimes: list[str],
@@ -156,6 +158,8 @@ def summarise(data: dict) -> dict[str, dict[str, dict]]:
             flags = [collapse(_rl_rewards(r)) for r in runs.values()]
             summary[arm]["collapsed"] = sum(c for c, _ in flags)
             summary[arm]["collapse_steps"] = [s for c, s in flags if c]
+            summary[arm]["drift_first"] = ARMS_REPORT._spread([r["routing_drift"][r["steps"].index(1)]
+                                                               for r in runs.values()])
             summary[arm]["token_ratio_spread"] = ARMS_REPORT._spread(
                 [_spread_of(r, "token_ratio_max", "token_ratio_min") for r in runs.values()])
             summary[arm]["seq_ratio_spread"] = ARMS_REPORT._spread(
@@ -181,26 +185,32 @@ def doc_block(data: dict, summary: dict, figures_rel: str) -> str:
              f"`{RESULTS.relative_to(REPO)}` (scale `{data['scale']}`; overrides for every run: "
              f"`{' '.join(data['overrides'])}`). Means over seeds ± sample std. Per seed, one {data['warm_steps']}-step "
              f"supervised warm start (held-out greedy accuracy after it: "
-             f"{fmt(ARMS_REPORT._spread([w['eval_accuracy'][0] for w in warm]))}) that every arm of both regimes "
+             f"{fmt(ARMS_REPORT._spread([w['eval_accuracy'][0] for w in warm]))}) that every arm of every regime "
              f"starts from. Wall time: warm starts {sum(w['wall_s'] for w in warm) / 60:.1f} min, "
              + ", ".join(f"regime `{g}` {s / 60:.1f} min of run time" for g, s in walls.items())
              + f" ({'/'.join(map(str, jobs))} run(s) at a time on this 2-core machine, one thread each). "
-             f"A run *collapses* when its train reward over the last quarter of its steps is below half its reward "
-             f"over its first {EARLY} steps.", ""]
+             "A run *collapses* when its train reward over the last quarter of its steps is below half its step-1 "
+             "reward (step 1 samples the warm start itself); it collapsed at the first step from which its reward "
+             "never again reached that half.", ""]
     for regime, arms in summary.items():
         lr = data["regimes"][regime]
         steps = max(s["steps"] for s in arms.values())
         lines += [f"**Regime `{regime}`** (lr {lr:g}; {steps} RL steps, {4 * steps} optimizer updates per run)", "",
                   "| arm | seeds | collapsed (at step) | eval acc. start -> end | eval change (paired) | reward (last "
-                  "quarter) | routing drift per update (set rate) | token ratio spread | sequence ratio spread | "
+                  "quarter) | routing drift: first update / mean (set rate) | token ratio spread | sequence ratio spread | "
                   "clipped-token fraction | s / RL step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for arm, s in arms.items():
             at = ", ".join(map(str, s["collapse_steps"]))
             lines.append(f"| {arm} | {s['seeds']} | {s['collapsed']}{f' ({at})' if at else ''} | "
                          f"{fmt(s['eval_start'])} -> {fmt(s['eval_end'])} | {fmt(s['eval_gain'])} | "
-                         f"{fmt(s['reward_last_quarter'])} | {fmt(s['routing_drift'])} ({fmt(s['routing_drift_set'])}) | "
+                         f"{fmt(s['reward_last_quarter'])} | {fmt(s['drift_first'])} / {fmt(s['routing_drift'])} "
+                         f"({fmt(s['routing_drift_set'])}) | "
                          f"{fmt(s['token_ratio_spread'])} | {fmt(s['seq_ratio_spread'])} | {fmt(s['clip_frac_token'])} | "
                          f"{fmt(s['time_step_s'])} |")
+        pairs = [(a, b) for a, b in (("grpo_r2", "grpo"), ("grpo_r3", "grpo_r2")) if a in arms and b in arms]
+        if pairs:
+            lines += ["", "Routing Replay against the run without it (same seed, same warm start): " + "; ".join(
+                f"{a} vs {b}: {ARMS_REPORT._same_steps({'runs': data['runs'][regime]}, a, b)}" for a, b in pairs) + "."]
         lines += ["", " ".join(f"![{regime} {name}]({figures_rel}/{regime}/{name}.png)"
                                for name in ("reward", "eval_accuracy", "routing_drift")), ""]
     lines.append(END)
@@ -212,9 +222,7 @@ def report(results: Path, figures_dir: Path, doc: Path | None) -> dict:
     summary = summarise(data)
     figures(data, figures_dir)
     block = doc_block(data, summary, os.path.relpath(figures_dir, (doc or DOC).parent))
-    if doc is not None:
-        replace_block(doc, BEGIN, END, block)
-    print(block)
+    publish_block(block, doc, BEGIN, END)
     return summary
 
 

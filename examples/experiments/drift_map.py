@@ -29,7 +29,7 @@ import os
 import statistics
 from pathlib import Path
 
-from gspo_megatron.testing.experiment_runs import (experiment_parser, read_metrics, replace_block, train_run,
+from gspo_megatron.testing.experiment_runs import (experiment_parser, publish_block, read_metrics, train_run,
                                                     write_json)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -285,9 +285,7 @@ def report(results: Path, figures_dir: Path, doc: Path | None) -> dict:
     summary = summarise(data)
     figures(data, summary, figures_dir)
     block = doc_block(data, summary, os.path.relpath(figures_dir, (doc or DOC).parent))
-    if doc is not None:
-        replace_block(doc, BEGIN, END, block)
-    print(block)
+    publish_block(block, doc, BEGIN, END)
     return summary
 
 

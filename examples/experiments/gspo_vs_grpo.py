@@ -119,7 +119,9 @@ def _mean(values: list[float]) -> float:
 
 
 def _spread(values: list[float]) -> tuple[float, float]:
-    """(mean, sample std; 0 for one value) over seeds."""
+    """(mean, sample std; 0 for one value) over the seeds that have a value (an arm without the metric, such as
+    SAPO's clipping, has none: nan)."""
+    values = [v for v in values if math.isfinite(v)]
     return _mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 

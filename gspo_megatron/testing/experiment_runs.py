@@ -53,6 +53,14 @@ def replace_block(doc: Path, begin: str, end: str, block: str) -> None:
     os.replace(tmp, doc)
 
 
+def publish_block(block: str, doc: Path | None, begin: str, end: str) -> None:
+    """An experiment report's generated block: printed, and put in place of the page ``doc``'s block (``None``:
+    printed only)."""
+    if doc is not None:
+        replace_block(doc, begin, end, block)
+    print(block)
+
+
 def config_term(config_path: Path, name: str):
     """(the config's one term named ``name``, the policy's tokenizer, train and eval prompt datasets): what a
     script making a scoring model for that config reads (examples/make_demo_*.py)."""
