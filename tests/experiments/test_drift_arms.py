@@ -51,3 +51,11 @@ def test_drift_arms_pipeline_at_ci_scale(tmp_path):
     assert "old" not in text and "**Regime `paper_drift`** (lr 0.003" in text and "| sapo | 1 | 0 |" in text
     assert all((tmp_path / "fig" / regime / "reward.png").is_file() for regime in driver.REGIMES)
 
+
+
+def test_shipped_docs_block_is_generated_from_the_shipped_results():
+    driver = load_script(SCRIPT)
+    data = json.loads(driver.RESULTS.read_text())
+    block = driver.doc_block(data, driver.summarise(data), "figures/drift_arms")
+    text = driver.DOC.read_text()
+    assert driver.BEGIN + text.split(driver.BEGIN)[1].split(driver.END)[0] + driver.END == block
