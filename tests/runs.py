@@ -85,3 +85,17 @@ def sglang_standin_overrides(urls: list, disk_dir: str, *extra: str) -> list[str
             "rollout.max_new_tokens=4", "rollout.engine=sglang", f"rollout.sglang.urls=[{','.join(urls)}]",
             "rollout.sglang.weight_sync=disk", f"rollout.sglang.disk_dir={disk_dir}",
             "rollout.sglang.prompts_per_request=1", "rollout.sglang.backoff_s=0.01", *extra]
+
+
+def rerun_then_report(driver, argv, results: Path, tmp_path: Path) -> str:
+    """An experiment script (examples/experiments/) whose results file holds every run: ``run`` again runs and
+    rewrites nothing; then ``report`` into a scratch page, whose text is returned."""
+    stamp = results.stat().st_mtime_ns
+    driver.main(argv)
+    assert results.stat().st_mtime_ns == stamp
+    doc = tmp_path / "page.md"
+    doc.write_text(f"before\n{driver.BEGIN}\nold\n{driver.END}\nafter\n")
+    driver.main(["report", "--results", str(results), "--figures", str(tmp_path / "fig"), "--doc", str(doc)])
+    text = doc.read_text()
+    assert "old" not in text
+    return text

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gspo_megatron.testing.experiment_runs import load_script
+from tests.runs import rerun_then_report
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "experiments" / "drift_arms.py"
@@ -41,14 +42,9 @@ def test_drift_arms_pipeline_at_ci_scale(tmp_path):
     # one warm start for the seed, and the arms started from it: the same step-0 evaluation everywhere
     starts = {r["0"]["eval_accuracy"][0] for arms in data["runs"].values() for r in arms.values()}
     assert starts == {data["warm_start"]["0"]["eval_accuracy"][0]}
-    stamp = results.stat().st_mtime_ns
-    driver.main(argv)  # everything is in the results file: nothing runs, nothing is rewritten
-    assert results.stat().st_mtime_ns == stamp
-    doc = tmp_path / "page.md"
-    doc.write_text(f"before\n{driver.BEGIN}\nold\n{driver.END}\nafter\n")
-    driver.main(["report", "--results", str(results), "--figures", str(tmp_path / "fig"), "--doc", str(doc)])
-    text = doc.read_text()
-    assert "old" not in text and "**Regime `paper_drift`** (lr 0.003" in text and "| sapo | 1 | 0 |" in text
+    # everything is in the results file: nothing runs again
+    text = rerun_then_report(driver, argv, results, tmp_path)
+    assert "**Regime `paper_drift`** (lr 0.003" in text and "| sapo | 1 | 0 |" in text
     assert all((tmp_path / "fig" / regime / "reward.png").is_file() for regime in driver.REGIMES)
 
 

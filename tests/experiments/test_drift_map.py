@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gspo_megatron.testing.experiment_runs import load_script
+from tests.runs import rerun_then_report
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "experiments" / "drift_map.py"
@@ -33,14 +34,9 @@ def test_drift_map_pipeline_at_ci_scale(tmp_path):
         assert len(run["per_layer"]) == entry["point"]["layers"]
         assert len(run["drift_per_step"]) == 2 and all(0.0 <= d <= 1.0 for d in run["drift_per_step"])
         assert run["token_ratio_spread"] >= 0 and run["seq_ratio_spread"] >= 0
-    stamp = results.stat().st_mtime_ns
-    driver.main(argv)  # everything is in the results file: nothing runs, nothing is rewritten
-    assert results.stat().st_mtime_ns == stamp
-    doc = tmp_path / "page.md"
-    doc.write_text(f"before\n{driver.BEGIN}\nold\n{driver.END}\nafter\n")
-    driver.main(["report", "--results", str(results), "--figures", str(tmp_path / "fig"), "--doc", str(doc)])
-    text = doc.read_text()
-    assert "old" not in text and "| depth | 2 | 4 | 2 |" in text
+    # everything is in the results file: nothing runs again
+    text = rerun_then_report(driver, argv, results, tmp_path)
+    assert "| depth | 2 | 4 | 2 |" in text
     assert all((tmp_path / "fig" / f).is_file() for f in ("drift_by_axis.png", "drift_per_layer.png", "ratio_spread.png"))
 
 
