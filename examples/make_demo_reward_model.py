@@ -1,13 +1,14 @@
 """Train the CPU demo's reward model from the sort task's verifier labels and save it in Hugging Face format.
 
-    python examples/make_demo_reward_model.py            # writes runs/demo_reward_model (about two CPU minutes)
+    python examples/make_demo_reward_model.py            # writes runs/demo_reward_model (about ten CPU minutes)
     gspo-megatron train --config examples/cpu_demo_reward_model.yaml --run-dir runs/demo_rm
 
 For every training prompt of examples/cpu_demo_reward_model.yaml the script writes candidate responses (the
 reference answer and near misses: the digits unsorted or reordered, one digit changed, dropped or added, the
-spaces gone), labels each with the synthetic verifier (``rewards/synthetic.py``: correct or not) and fits a
-tiny random ``Qwen3ForSequenceClassification`` (the demo tokenizer, one logit) to those labels with a binary
-cross-entropy. The inputs are exactly what the config's ``reward_model`` term feeds it at training time
+spaces gone, and sorted answers with other digits: one digit changed or off by one, or random ones), labels
+each with the synthetic verifier (``rewards/synthetic.py``: correct or not) and fits a small random
+``Qwen3ForSequenceClassification`` (the demo tokenizer, one logit; 4 layers, 64 wide) to those labels with a
+binary cross-entropy. The inputs are exactly what the config's ``reward_model`` term feeds it at training time
 (``rewards/scoring_models.py reward_model_ids``). It prints the held-out agreement with the verifier on the eval
 prompts' candidates and saves the model, its tokenizer and ``training.json`` (the numbers) to ``--out``.
 
@@ -41,8 +42,20 @@ def candidates(answer: str, rng: random.Random) -> list[str]:
     rng.shuffle(shuffled)
     changed = digits[:]
     changed[rng.randrange(len(changed))] = str(rng.randrange(10))
+    # sorted but with other digits: what a policy rewarded for looking sorted writes (reward_model_demo round 0,
+    # late steps: 96 % of its responses sorted, 8 % the prompt's digits), so the model must compare with the prompt
+    sorted_changed = sorted(changed)
+    sorted_random = sorted(str(rng.randrange(10)) for _ in digits)
+    # and one digit off by one, sorted: the near misses a reward model without them scored highest (round 0 again)
+    nudged = []
+    for step in (-1, 1):
+        off = [int(d) for d in digits]
+        i = rng.randrange(len(off))
+        off[i] = (off[i] + step) % 10
+        nudged.append(" ".join(sorted(map(str, off))))
     texts = [answer, " ".join(shuffled), " ".join(reversed(digits)), " ".join(changed), " ".join(digits[:-1]),
-             " ".join(digits + [str(rng.randrange(10))]), "".join(digits), answer + " " + answer]
+             " ".join(digits + [str(rng.randrange(10))]), "".join(digits), answer + " " + answer,
+             " ".join(sorted_changed), " ".join(sorted_random), *nudged]
     return [t + eos for t in texts for eos in ("", EOS)]
 
 
@@ -107,7 +120,8 @@ def agreement(model, rows, labels, pad: int) -> float:
     return hits / len(rows)
 
 
-def fit(train: tuple[list, list[float]], tokenizer, steps: int, batch_size: int, lr: float, seed: int):
+def fit(train: tuple[list, list[float]], tokenizer, steps: int, batch_size: int, lr: float, seed: int,
+        layers: int = 4, hidden: int = 64):
     """A tiny random ``Qwen3ForSequenceClassification`` (one logit) fitted to (rows, labels) with a binary
     cross-entropy whose positives are weighed up to the negatives' total; returns (model in eval mode, the
     loss of each step)."""
@@ -118,8 +132,9 @@ def fit(train: tuple[list, list[float]], tokenizer, steps: int, batch_size: int,
     # Qwen3, not Qwen2: transformers 5 loads a qwen2 folder's tokenizer as Qwen2Tokenizer, not the demo's
     # (experiment_runs.save_model_folder checks it)
     model = transformers.Qwen3ForSequenceClassification(transformers.Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, num_labels=1, pad_token_id=pad,
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=hidden // 16, num_key_value_heads=max(1, hidden // 32), head_dim=16,
+        max_position_embeddings=128, num_labels=1, pad_token_id=pad,
         eos_token_id=tokenizer.eos_token_id))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     positives = sum(labels) / len(labels)
@@ -145,10 +160,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--policy-samples", type=Path, nargs="*", default=[],
                         help="responses of this config's policy (completions.jsonl of a run, or eval --outputs on "
                              "the training prompts): labelled by the verifier, they join the candidates")
-    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    # 1e-3 stalled at "sorted means right" (loss 0.76 after 4000 steps); 2e-3 learns to compare with the prompt
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=64, help="model width (a multiple of 32)")
     args = parser.parse_args(argv)
 
     term, tokenizer, train_set, eval_set = config_term(CONFIG, "reward_model")
@@ -156,11 +174,13 @@ def main(argv: list[str] | None = None) -> dict:
     written, sampled = candidate_pairs(train_set, rng), policy_pairs(args.policy_samples, train_set)
     train = labelled(written + sampled, term.reward_model, tokenizer)
     held_out = labelled(candidate_pairs(eval_set, rng), term.reward_model, tokenizer)
-    model, losses = fit(train, tokenizer, args.steps, args.batch_size, args.lr, args.seed)
+    model, losses = fit(train, tokenizer, args.steps, args.batch_size, args.lr, args.seed, args.layers,
+                        args.hidden)
     pad = tokenizer.pad_token_id
     result = {"candidates": len(written), "policy_samples": len(sampled),
               "eval_candidates": len(held_out[0]), "positive_fraction": sum(train[1]) / len(train[1]),
-              "steps": args.steps, "train_agreement": agreement(model, *train, pad),
+              "steps": args.steps, "layers": args.layers, "hidden": args.hidden,
+              "train_agreement": agreement(model, *train, pad),
               "eval_agreement": agreement(model, *held_out, pad), "final_loss": losses[-1]}
     save_model_folder(model, tokenizer, result, args.out,
                       [reward_model_text(tokenizer, term.reward_model, m, r) for m, r in (written + sampled)[:2000]])

@@ -121,3 +121,21 @@ def test_a_folder_whose_tokenizer_loads_differently_is_not_saved(tmp_path):
     save_model_folder(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**tiny)), tokenizer, {"x": 1},
                       tmp_path / "qwen3_rm", ["sort 8 4 2"])
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "qwen3_rm")("sort 8 4 2") == tokenizer("sort 8 4 2")
+
+
+def test_candidates_include_sorted_answers_with_other_digits():
+    """The near misses a policy finds first when rewarded for looking sorted (digits in order, not the prompt's)
+    are in the reward model's data, labelled wrong: one digit off by one, each way, then sorted."""
+    import random
+
+    from gspo_megatron.rewards.synthetic import synthetic_reward
+
+    make_rm = load_script(MAKE_RM)
+    answer = "2 4 8"
+    texts = [t.removesuffix(make_rm.EOS) for t in make_rm.candidates(answer, random.Random(0))]
+    sorted_wrong = {t for t in texts if t.split() == sorted(t.split()) and len(t.split()) == 3 and t != answer}
+    sums = {sum(map(int, t.split())) for t in sorted_wrong}
+    assert {13, 15} <= sums  # 14 - 1 and 14 + 1: a digit off by one each way
+    mapping = {"prompt": "sort 8 2 4", "answer": answer, "meta": {"difficulty": 1, "task": "sort"}}
+    assert not any(synthetic_reward(mapping, t).correct for t in sorted_wrong)
+    assert synthetic_reward(mapping, answer).correct
