@@ -17,6 +17,13 @@ _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
+def check_server(server: str | None, timeout_s: float, path: str) -> None:
+    """A scoring model's ``server`` (an SGLang URL or null) and ``server_timeout_s``."""
+    check(server is None or bool(re.fullmatch(r"https?://[^/\s]+(/[^\s]*)?", server)), f"{path}.server",
+          f"must be an http(s) URL such as http://host:30000, got {server!r}")
+    check(timeout_s > 0, f"{path}.server_timeout_s", f"must be > 0, got {timeout_s}")
+
+
 @dataclasses.dataclass
 class RewardModelConfig:
     """A Hugging Face sequence-classification reward model (``AutoModelForSequenceClassification``) as a term.
@@ -56,9 +63,7 @@ class RewardModelConfig:
         check(self.label is None or self.label >= 0, f"{path}.label", f"must be >= 0, got {self.label}")
         check(self.normalize != "softmax" or self.label is not None, f"{path}.normalize",
               "'softmax' is the probability of one label: set label")
-        check(self.server is None or bool(re.fullmatch(r"https?://[^/\s]+(/[^\s]*)?", self.server)), f"{path}.server",
-              f"must be an http(s) URL such as http://host:30000, got {self.server!r}")
-        check(self.server_timeout_s > 0, f"{path}.server_timeout_s", f"must be > 0, got {self.server_timeout_s}")
+        check_server(self.server, self.server_timeout_s, path)
 
     @property
     def output_range(self) -> tuple[float, float] | None:
@@ -86,6 +91,9 @@ class JudgeConfig:
     max_new_tokens: the verdict's length (greedy decoding). max_length: prompt tokens; a longer judge prompt
         scores that response 0, counted as an error. batch_size: judge prompts decoded at once.
     device: "cpu" or "cuda[:N]".
+    server: the URL of an SGLang server (0.5.23) serving the judge in ``path`` (on GPUs): the verdicts come
+        from its ``POST /generate`` (greedy, ``batch_size`` prompts per request) and the term loads no weights;
+        ``server_timeout_s`` bounds one request. null: the in-process engine runs it in the reward worker.
     A verdict the rule does not parse scores 0 and is counted (``rewards/<key>/errors``), never a crash.
     """
 
@@ -100,8 +108,11 @@ class JudgeConfig:
     max_length: int = 4096
     batch_size: int = 16
     device: str = "cpu"
+    server: str | None = None
+    server_timeout_s: float = 60.0
 
     def validate(self, path: str) -> None:
+        check_server(self.server, self.server_timeout_s, path)
         try:
             fields = template_fields(self.template)
         except ValueError as err:

@@ -195,18 +195,21 @@ def judge_prompt_ids(tokenizer: Any, cfg: JudgeConfig, sample: Mapping[str, Any]
 
 
 class JudgeTerm:
-    """A generative judge (``JudgeConfig``): greedy verdicts from the in-process transformers engine."""
+    """A generative judge (``JudgeConfig``): greedy verdicts from the in-process transformers engine, or from an
+    SGLang server (``server``)."""
 
     def __init__(self, cfg: JudgeConfig, where: str):
         from gspo_megatron.rollout.hf_engine import HFRolloutEngine, SUPPORTED_MODEL_TYPES
 
         self.cfg = cfg
         path = _folder(cfg.path, f"{where}.path")
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise RewardSetupError(f"{where}.path: a {config.model_type!r} model; the in-process engine serves "
-                                   f"{list(SUPPORTED_MODEL_TYPES)}")
-        self.engine = HFRolloutEngine(path, device=cfg.device, max_batch_rows=cfg.batch_size)
+        self.engine = None  # served: the SGLang server holds the weights
+        if cfg.server is None:
+            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+            if config.model_type not in SUPPORTED_MODEL_TYPES:
+                raise RewardSetupError(f"{where}.path: a {config.model_type!r} model; the in-process engine serves "
+                                       f"{list(SUPPORTED_MODEL_TYPES)} (an SGLang server, judge.server, serves more)")
+            self.engine = HFRolloutEngine(path, device=cfg.device, max_batch_rows=cfg.batch_size)
         self.tokenizer = _tokenizer(_folder(cfg.tokenizer or path, f"{where}.tokenizer"), f"{where}.tokenizer",
                                     cfg.chat_template, f"{where}.chat_template")
         if self.tokenizer.eos_token_id is None:
@@ -218,8 +221,23 @@ class JudgeTerm:
 
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=0.0,
                                 stop_token_ids=[self.tokenizer.eos_token_id], seed=0)
-        samples = self.engine.generate(prompts, 1, params)
+        samples = self.engine.generate(prompts, 1, params) if self.engine is not None else [
+            s for start in range(0, len(prompts), self.cfg.batch_size)
+            for s in self.served(prompts[start:start + self.cfg.batch_size], params)]
         return [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+
+    def served(self, prompts: Sequence[list[int]], params) -> list:
+        """One ``POST /generate`` of the SGLang server for ``prompts``, built and read as the rollout engine
+        builds and reads its own (rollout/sglang/protocol.py, SGLang 0.5.23 ``GenerateReqInput``: token ids in,
+        token ids and log-probs out, one greedy sample per prompt). A server that is down or answers malformed
+        raises, and the pool counts the batch as failed like any reward error."""
+        from gspo_megatron.rollout.sglang.http import request
+        from gspo_megatron.rollout.sglang.protocol import build_generate_request, parse_generate_response
+
+        req = build_generate_request(prompts, range(len(prompts)), 1, params, seeded=False)
+        answer = request(self.cfg.server, "POST", "/generate", req.body, timeout_s=self.cfg.server_timeout_s)
+        return parse_generate_response(answer, req, prompts, routed_experts_layout=None,
+                                       where=f"{self.cfg.server}/generate")
 
     def __call__(self, samples: Sequence[Mapping[str, Any]], responses: Sequence[str]) -> list[float | Exception]:
         values: list[float | Exception] = []

@@ -1,5 +1,6 @@
-"""A reward model served by SGLang (``reward_model.server``): the term posts the token ids it builds to the
-server's ``/classify`` and applies ``normalize`` to the logits it answers.
+"""A reward model and a judge served by SGLang (``reward_model.server``, ``judge.server``): the reward-model term
+posts the token ids it builds to the server's ``/classify`` and applies ``normalize`` to the logits it answers;
+the judge term sends its prompts' ids to ``/generate`` and parses the greedy verdicts.
 
 The real server (SGLang 0.5.23 on CPU, a tiny random ``Qwen3ForSequenceClassification`` saved by
 transformers) runs in the ``sglang`` leg; its scores must equal the in-process term's on the same folder up to
@@ -115,3 +116,80 @@ def test_a_zero_score_bias_in_the_checkpoint_removes_the_constant(reward_model, 
     served, _ = _served_scores(folder, tmp_path)
     local, _ = _scores(reward_model)
     assert served == pytest.approx(local, abs=1e-4)
+
+
+# ---- a generative judge served by SGLang (judge.server) --------------------------------------------------
+
+JUDGE = {"template": "Is {response} the sorted digits of {prompt}?", "chat_template": False,
+         "pattern": "([0-9])", "test_verdict": "7", "max_new_tokens": 6, "batch_size": 4}
+
+
+@pytest.fixture(scope="module")
+def judge_model(tmp_path_factory):
+    """A tiny random Qwen3 causal LM on the demo tokenizer, its head sharpened so that greedy decoding has no
+    near ties (a tie could be broken differently by two correct engines)."""
+    folder = tmp_path_factory.mktemp("served_judge")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(demo_tokenizer_path())
+    torch.manual_seed(1)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _judged(folder, **extra):
+    """(verdict texts of the batch, its (rewards, metrics) through the pool) with the judge in ``folder``."""
+    from gspo_megatron.rewards.config import JudgeConfig
+    from gspo_megatron.rewards.scoring_models import JudgeTerm, judge_prompt_ids
+
+    judge = {"path": str(folder), **JUDGE, **extra}
+    term = JudgeTerm(build(JudgeConfig, judge, "judge"), "judge")
+    texts = term.verdicts([judge_prompt_ids(term.tokenizer, term.cfg, s, r) for s, r in BATCH])
+    with RewardPool(_judge_rewards(folder, **extra)) as pool:
+        return texts, pool.score(BATCH)
+
+
+def _judge_rewards(folder, **extra):
+    judge = {"path": str(folder), **JUDGE, **extra}
+    return build(RewardConfig, {"terms": [{"name": "judge", "range": [0, 9], "judge": judge}], "num_workers": 0,
+                                "timeout_s": 120}, "rewards")
+
+
+def test_a_judge_server_that_is_down_fails_the_batch_counted(judge_model):
+    from tests.rollout.sglang_standin import free_port
+
+    config = _judge_rewards(judge_model, server=f"http://127.0.0.1:{free_port()}", server_timeout_s=5.0)
+    with RewardPool(config) as pool:
+        rewards, metrics = pool.score(BATCH)
+    assert rewards == [0.0] * len(BATCH)
+    assert metrics["rewards/judge/errors"] == len(BATCH)
+
+
+def test_a_malformed_judge_server_url_is_refused_by_name(judge_model):
+    with pytest.raises(ConfigError, match=r"rewards.terms\[0\].judge.server: must be an http\(s\) URL"):
+        _judge_rewards(judge_model, server="localhost:30000")
+
+
+@_needs_sglang
+def test_served_verdicts_are_the_in_process_judges(judge_model, tmp_path):
+    """The same judge folder served by a real SGLang 0.5.23 CPU server: the same greedy verdict texts as the
+    in-process engine, batch for batch, and the same scores and failure counts through the pool."""
+    from gspo_megatron.rollout.sglang.config import SGLangConfig
+    from gspo_megatron.rollout.sglang.engine import launch_servers
+    from tests.rollout.sglang_cpu_models import cpu_launch
+
+    local_texts, (local, local_metrics) = _judged(judge_model)
+    assert len(set(local_texts)) > 1  # verdicts that differ: equal ones would prove little
+    (slot,) = launch_servers(build(SGLangConfig, {"launch": cpu_launch(judge_model, tmp_path), "release_memory": False},
+                                   "rollout.sglang"))
+    try:
+        texts, (served, metrics) = _judged(judge_model, server=slot.url)
+    finally:
+        slot.process.stop()
+    assert texts == local_texts
+    assert served == local and metrics["rewards/judge/errors"] == local_metrics["rewards/judge/errors"]
