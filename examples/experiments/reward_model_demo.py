@@ -19,8 +19,8 @@ block between the ``<!-- reward_model_demo:begin -->`` / ``<!-- reward_model_dem
 docs/rewards.md.
 
 Scales: ``full`` (round 0 only, 3 seeds; about 15 minutes on 2 CPU cores, most of it training the reward
-model; ``--rounds N`` adds retraining rounds) and ``ci`` (a few steps of everything, one round after the first, one seed:
-the pipeline, not the science).
+model; ``--rounds N`` adds retraining rounds) and ``ci`` (a few steps of everything, one round after the first,
+one seed: the pipeline, not the science).
 """
 from __future__ import annotations
 
